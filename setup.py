@@ -1,0 +1,43 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="k3-train",
+    version="0.1.0",
+    description="Megatron-style multi-node training system for K3-class models",
+    python_requires=">=3.11",
+    packages=find_packages(include=["model*", "parallel*", "train*", "data_pipeline*", "slurm*",
+                                    "configs*"]),
+    include_package_data=True,
+    package_data={"configs": ["**/*.yaml"], "data_pipeline": ["sample/**/*"]},
+    install_requires=[
+        "torch>=2.6",
+        "numpy",
+        "megatron-core>=0.16,<0.17; python_version<'3.12'",
+        "megatron-core>=0.16; python_version>='3.12'",
+        "hydra-core>=1.3",
+        "hydra-submitit-launcher>=1.2",
+        "wandb>=0.19",
+        "datatrove>=0.4",
+        "datasketch>=1.6",
+        "spacy>=3.7",
+        "tokenizers>=0.19",
+        "pillow>=10",
+        "webdataset>=0.2",
+        "safetensors>=0.4",
+        "deepspeed>=0.15",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6",
+                "torchao>=0.10", "gfloat>=0.4"],
+        "gpu": ["transformer-engine[pytorch]>=2.0", "fla-core>=0.4"],
+    },
+    entry_points={
+        "console_scripts": [
+            "k3-train=train.cli:train_main",
+            "k3-plan=train.plan:main",
+            "k3-data=data_pipeline.cli:main",
+            "k3-submit=slurm.submit:main",
+        ]
+    },
+)

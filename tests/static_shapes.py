@@ -1,0 +1,80 @@
+"""Records every aten op a region runs, to prove a hot path has static shapes and no host sync.
+
+DESIGN.md section 2: run the layer forward and backward under a TorchDispatchMode; (a) no op that
+syncs with the host or has a data-dependent output size appears; (b) the recorded op sequence and
+output shapes are identical for two inputs that differ only in their data (balanced vs skewed
+routing, two document layouts with the same number of documents).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# Ops that read a device value on the host or whose output size depends on the data.
+SYNCING_OPS = {
+    "aten._local_scalar_dense",
+    "aten.nonzero",
+    "aten.nonzero_static",  # static, but listed so that a use is a conscious choice
+    "aten.masked_select",
+    "aten.unique",
+    "aten._unique",
+    "aten._unique2",
+    "aten.unique_consecutive",
+    "aten.unique_dim",
+    "aten.item",
+}
+
+
+def _shapes(out) -> tuple:
+    leaves, _ = tree_flatten(out)
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves)
+
+
+def _bool_index(func, args) -> bool:
+    if func.__name__.split(".")[0] not in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        return False
+    indices = args[1] if len(args) > 1 else []
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or [])
+
+
+def _unbounded_repeat_interleave(func, kwargs) -> bool:
+    return func.__name__.startswith("repeat_interleave") and kwargs.get("output_size") is None
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records (op name, output shapes) for every aten op executed inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace: list[tuple[str, tuple]] = []
+        self.violations: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = f"aten.{func.__name__.split('.')[0]}"
+        if (name in SYNCING_OPS or _bool_index(func, args)
+                or _unbounded_repeat_interleave(func, kwargs)):
+            self.violations.append(str(func))
+        out = func(*args, **kwargs)
+        self.trace.append((str(func), _shapes(out)))
+        return out
+
+
+def record(fn, *args, **kwargs) -> OpRecorder:
+    """Runs fn(*args, **kwargs) (which should include the backward) under an OpRecorder."""
+    rec = OpRecorder()
+    with rec:
+        fn(*args, **kwargs)
+    return rec
+
+
+def assert_static(rec_a: OpRecorder, rec_b: OpRecorder) -> None:
+    """Both runs free of syncing ops and with identical op/shape traces."""
+    assert not rec_a.violations, f"syncing or data-dependent ops: {sorted(set(rec_a.violations))}"
+    assert not rec_b.violations, f"syncing or data-dependent ops: {sorted(set(rec_b.violations))}"
+    assert len(rec_a.trace) == len(rec_b.trace), (
+        f"op count differs with the data: {len(rec_a.trace)} vs {len(rec_b.trace)}")
+    for i, (a, b) in enumerate(zip(rec_a.trace, rec_b.trace)):
+        assert a == b, f"op {i} differs with the data: {a} vs {b}"
