@@ -154,6 +154,7 @@ class K3Config:
     situ_beta_up: float = 25.0
     max_seq_len: int = 1048576
     image_token_id: int = 163605  # placeholder token replaced by projected vision tokens
+    pad_token_id: int = 163839  # padding tokens: no loss, excluded from Quantile Balancing
     init_std: float = 0.006
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -180,9 +181,10 @@ class K3Config:
         if not 0 <= self.num_dense_layers <= self.num_layers:
             _fail(f"{path}.num_dense_layers", self.num_dense_layers,
                   f"must be in [0, num_layers={self.num_layers}]")
-        if not 0 <= self.image_token_id < self.vocab_size:
-            _fail(f"{path}.image_token_id", self.image_token_id,
-                  f"must be a token id in [0, vocab_size={self.vocab_size})")
+        for name in ("image_token_id", "pad_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                _fail(f"{path}.{name}", getattr(self, name),
+                      f"must be a token id in [0, vocab_size={self.vocab_size})")
         self.kda.validate(f"{path}.kda")
         self.mla.validate(f"{path}.mla")
         self.moe.validate(f"{path}.moe")
@@ -201,6 +203,7 @@ def k3_small() -> K3Config:
     return K3Config(
         name="k3_small", vocab_size=32768, hidden_size=1024, num_layers=16,
         dense_intermediate=4096, attnres_block_size=4, max_seq_len=65536, image_token_id=32000,
+        pad_token_id=32001,
         init_std=0.02,
         kda=KDAConfig(num_heads=8, head_dim=128, decay_rank=64),
         mla=MLAConfig(num_heads=8, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=64,
@@ -218,6 +221,7 @@ def k3_tiny() -> K3Config:
     return K3Config(
         name="k3_tiny", vocab_size=2048, hidden_size=64, num_layers=8,
         dense_intermediate=128, attnres_block_size=4, max_seq_len=4096, image_token_id=3,
+        pad_token_id=0,
         init_std=0.02,
         kda=KDAConfig(num_heads=2, head_dim=32, decay_rank=16, chunk_size=32),
         mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
