@@ -1,0 +1,86 @@
+"""Kimi Delta Attention layer (SPEC 2; report Eq. 2, 5, 6)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import K3Config
+from .norms import rms_norm
+from .ops.kda import kda_chunk
+from .short_conv import ShortConv
+
+
+def kda_gate(z: torch.Tensor, a_log: torch.Tensor, kind: str, lower_bound: float) -> torch.Tensor:
+    """Per-channel log decay g <= 0 from the decay logit z [..., H, K] and the per-head A_h [H].
+
+    "lower_bound" (K3): g = lb * sigmoid(exp(A_h) z), so g >= lb and a 16-token tile decays by
+    at most exp(16 lb). "kimi_linear": g = -exp(A_h) softplus(z), unbounded below.
+    """
+    a = a_log.float().exp().unsqueeze(-1)
+    if kind == "lower_bound":
+        return lower_bound * torch.sigmoid(a * z.float())
+    return -a * F.softplus(z.float())
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        kc = cfg.kda
+        d, h, hd = cfg.hidden_size, kc.num_heads, kc.head_dim
+        self.num_heads, self.head_dim = h, hd
+        self.gate_kind, self.lower_bound = kc.gate, kc.gate_lower_bound
+        self.chunk_size, self.backend = kc.chunk_size, kc.backend
+        self.norm_eps = cfg.norm_eps
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, h * hd, bias=False)
+        self.v_proj = nn.Linear(d, h * hd, bias=False)
+        self.q_conv = ShortConv(h * hd, kc.conv_kernel)
+        self.k_conv = ShortConv(h * hd, kc.conv_kernel)
+        self.v_conv = ShortConv(h * hd, kc.conv_kernel)
+        self.beta_proj = nn.Linear(d, h, bias=False)
+        self.decay_down = nn.Linear(d, kc.decay_rank, bias=False)
+        self.decay_up = nn.Linear(kc.decay_rank, h * hd, bias=False)
+        self.decay_bias = nn.Parameter(torch.empty(h * hd))  # b_alpha: no weight decay
+        self.a_log = nn.Parameter(torch.zeros(h))  # A_h, initialised to 0: no weight decay
+        self.gate_proj = nn.Linear(d, h * hd, bias=False)  # full-rank sigmoid output gate
+        self.out_norm_weight = nn.Parameter(torch.ones(hd))  # head-wise RMSNorm
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.reset_decay_bias()
+
+    def reset_decay_bias(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
+        """dt-style init (as fla's KimiDeltaAttention): softplus(b) log-uniform in [dt_min, dt_max]."""
+        with torch.no_grad():
+            dt = torch.exp(torch.rand_like(self.decay_bias) * (math.log(dt_max) - math.log(dt_min))
+                           + math.log(dt_min)).clamp_min(1e-4)
+            self.decay_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                segments: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, d]; cu_seqlens over the flattened B*T tokens and segments [B, T] the document
+        id of each position (both None: one document per row)."""
+        b, t, _ = x.shape
+        h, hd = self.num_heads, self.head_dim
+        heads = (b, t, h, hd)
+        q = self.q_conv(self.q_proj(x), segments).view(heads)
+        k = self.k_conv(self.k_proj(x), segments).view(heads)
+        v = self.v_conv(self.v_proj(x), segments).view(heads)
+        q = F.normalize(q.float(), dim=-1, eps=1e-6)
+        k = F.normalize(k.float(), dim=-1, eps=1e-6)
+        beta = torch.sigmoid(self.beta_proj(x).float())
+        z = (self.decay_up(self.decay_down(x)) + self.decay_bias).view(heads)
+        g = kda_gate(z, self.a_log, self.gate_kind, self.lower_bound)
+        if cu_seqlens is not None:  # all rows as one packed sequence with document boundaries
+            flat = (1, b * t, h, hd)
+            o, _ = kda_chunk(q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
+                             beta.reshape(1, b * t, h), cu_seqlens=cu_seqlens,
+                             chunk_size=self.chunk_size, backend=self.backend)
+            o = o.view(heads)
+        else:
+            o, _ = kda_chunk(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend)
+        o = rms_norm(o.float(), self.out_norm_weight, self.norm_eps)
+        o = torch.sigmoid(self.gate_proj(x).float()).view(heads) * o
+        return self.o_proj(o.reshape(b, t, h * hd).to(x.dtype))

@@ -1,0 +1,60 @@
+"""Gated multi-head latent attention without positional encoding (SPEC 3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import K3Config
+from .norms import RMSNorm
+from .ops.attention import doc_causal_attention
+
+
+class GatedMLA(nn.Module):
+    """Low-rank q and kv, a k_rope slice shared by all heads (never rotated: NoPE), softmax
+    attention over documents, and a sigmoid output gate.
+
+    Weight layouts QK-Clip and Per-Head Muon rely on: q_b rows per head are
+    [q_nope | q_rope], kv_b rows per head are [k_nope | v].
+    """
+
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        mc = cfg.mla
+        d, h = cfg.hidden_size, mc.num_heads
+        self.num_heads = h
+        self.nope, self.rope, self.v_dim = mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim
+        self.kv_lora_rank = mc.kv_lora_rank
+        self.scale = mc.qk_head_dim ** -0.5
+        self.backend = mc.backend
+        self.q_a = nn.Linear(d, mc.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(mc.q_lora_rank, cfg.norm_eps)
+        self.q_b = nn.Linear(mc.q_lora_rank, h * mc.qk_head_dim, bias=False)
+        self.kv_a = nn.Linear(d, mc.kv_lora_rank + mc.qk_rope_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(mc.kv_lora_rank, cfg.norm_eps)
+        self.kv_b = nn.Linear(mc.kv_lora_rank, h * (mc.qk_nope_head_dim + mc.v_head_dim),
+                              bias=False)
+        self.gate_proj = nn.Linear(d, h * mc.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(h * mc.v_head_dim, d, bias=False)
+        # Per-head max pre-softmax logit of the last forward, for QK-Clip (None until recorded).
+        self.record_max_logit = False
+        self.max_logit: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.num_heads
+        q = self.q_b(self.q_a_norm(self.q_a(x))).view(b, t, h, self.nope + self.rope)
+        ckv, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b(self.kv_a_norm(ckv)).view(b, t, h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, t, h, self.rope)], dim=-1)
+        out = doc_causal_attention(q, k, v, cu_seqlens, scale=self.scale, backend=self.backend,
+                                   return_max_logit=self.record_max_logit)
+        if self.record_max_logit:
+            out, max_logit = out
+            self.max_logit = max_logit if self.max_logit is None else torch.maximum(
+                self.max_logit, max_logit)
+        gate = torch.sigmoid(self.gate_proj(x).float()).view(b, t, h, self.v_dim)
+        o = (gate * out.float()).reshape(b, t, h * self.v_dim)
+        return self.o_proj(o.to(x.dtype))

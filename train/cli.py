@@ -1,0 +1,65 @@
+"""`k3-train`: the Hydra entry point. With no arguments it trains k3_tiny on the bundled sample on
+CPU with W&B offline; every field of configs/train.yaml can be overridden on the command line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from model.config import ConfigError
+
+from .config import TrainConfig
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+log = logging.getLogger("k3.train")
+
+
+def register_configs() -> None:
+    """The typed schema every YAML in configs/ is merged into (Hydra structured config)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The validated dataclass tree of a composed Hydra config. A type error (a string where a
+    number belongs) becomes a ConfigError naming the field."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except Exception as e:  # omegaconf's ValidationError carries the full key
+        raise ConfigError(str(e).splitlines()[0] + f" (field: {getattr(e, 'full_key', '?')})") from e
+
+
+def run(cfg: DictConfig) -> int:
+    from .loop import train
+
+    try:
+        train_cfg = to_train_config(cfg)
+        from .config import validate_train_config
+
+        validate_train_config(train_cfg)
+    except ConfigError as e:
+        print(f"k3-train: config error: {e}", file=sys.stderr)
+        return 2
+    return train(train_cfg)
+
+
+register_configs()
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    code = run(cfg)
+    if code:
+        sys.exit(code)
+
+
+def train_main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    train_main()

@@ -1,0 +1,165 @@
+"""Typed training configuration (Hydra structured configs) and its start-up validation.
+
+Groups: model, data, stage, optim, parallel, precision, logging, checkpoint (all overridable on the
+command line). `validate_train_config` runs before any process group or allocation and names the
+field, the bad value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from data_pipeline.config import DataConfig, StageConfig
+from model.config import ConfigError, K3Config, k3_tiny
+
+__all__ = ["ConfigError", "TrainConfig", "validate_train_config"]
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    lr: float = 3e-3  # peak lr (Muon's, when name=muon)
+    adamw_lr: float | None = None  # lr of the AdamW groups under name=muon (default: lr)
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.95  # Muon
+    nesterov: bool = True  # Muon
+    ns_steps: int = 5  # Muon Newton-Schulz iterations
+    per_head: bool = True  # Muon: orthogonalise Q/K/V per head block
+    qk_clip_tau: float = 100.0  # MuonClip threshold on MLA max logits (<= 0 disables)
+    schedule: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    clip_grad_norm: float = 1.0  # <= 0 disables
+
+
+@dataclass
+class ParallelConfig:
+    """Process layout. Only data parallelism is implemented so far; the other sizes must be 1."""
+
+    data: int = -1  # -1: whatever the world size leaves after the other dimensions
+    tensor: int = 1
+    context: int = 1
+    expert: int = 1
+    pipeline: int = 1
+    backend: str = "auto"  # auto | gloo | nccl
+
+    def resolved_data(self, world_size: int) -> int:
+        other = self.tensor * self.context * self.pipeline
+        return world_size // other if self.data == -1 else self.data
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | mxfp4_qat
+    qat_scale_mode: str = "floor"  # MX scale rounding: floor (OCP) | rceil (TE)
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    wandb: bool = True
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "k3"
+    wandb_entity: str | None = None
+    plot: bool = True  # loss/throughput PNG at the end
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 50  # steps; <= 0 only on signals and at the end
+    keep_last: int = 3
+    resume: bool = True  # continue from <run_dir>/checkpoints/latest when it exists
+    save_at_end: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: K3Config = field(default_factory=k3_tiny)
+    data: DataConfig = field(default_factory=DataConfig)
+    stage: StageConfig = field(default_factory=StageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_dir: str = "outputs/run"
+    steps: int = 200
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    activation_checkpointing: bool = False
+    compile: bool = False
+    max_nonfinite_in_a_row: int = 5
+    deterministic: bool = True
+
+
+def _fail(path: str, value, valid: str) -> None:
+    raise ConfigError(f"{path}={value!r} is invalid: {valid}")
+
+
+def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
+    """Checks everything that can be checked before starting processes; raises ConfigError."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.model.validate("model")
+    cfg.data.validate("data")
+    cfg.stage.validate("stage")
+    if cfg.steps <= 0:
+        _fail("steps", cfg.steps, "must be > 0")
+    o = cfg.optim
+    if o.name not in ("adamw", "muon"):
+        _fail("optim.name", o.name, "must be one of ['adamw', 'muon']")
+    if not o.lr > 0:
+        _fail("optim.lr", o.lr, "must be > 0")
+    if o.adamw_lr is not None and not o.adamw_lr > 0:
+        _fail("optim.adamw_lr", o.adamw_lr, "must be > 0 or null")
+    if o.weight_decay < 0:
+        _fail("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if o.schedule not in ("cosine", "wsd", "constant"):
+        _fail("optim.schedule", o.schedule, "must be one of ['constant', 'cosine', 'wsd']")
+    if o.warmup_steps < 0:
+        _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    if not 0 <= o.min_lr_ratio <= 1:
+        _fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    if not all(0 <= b < 1 for b in o.betas):
+        _fail("optim.betas", o.betas, "each must be in [0, 1)")
+    p = cfg.parallel
+    for name in ("tensor", "context", "expert", "pipeline"):
+        if getattr(p, name) != 1:
+            _fail(f"parallel.{name}", getattr(p, name),
+                  "must be 1: only data parallelism is implemented so far")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        _fail("parallel.backend", p.backend, "must be one of ['auto', 'gloo', 'nccl']")
+    dp = p.resolved_data(world_size)
+    if dp < 1 or dp * p.tensor * p.context * p.pipeline != world_size:
+        _fail("parallel.data", p.data,
+              f"data*tensor*context*pipeline must equal the world size {world_size} "
+              f"(tensor={p.tensor}, context={p.context}, pipeline={p.pipeline})")
+    micro = cfg.stage.micro_batch_size * dp
+    if cfg.stage.global_batch_size % micro:
+        _fail("stage.global_batch_size", cfg.stage.global_batch_size,
+              f"must be a multiple of micro_batch_size*data_parallel = "
+              f"{cfg.stage.micro_batch_size}*{dp} = {micro}")
+    if cfg.stage.seq_len > cfg.model.max_seq_len:
+        _fail("stage.seq_len", cfg.stage.seq_len,
+              f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    if cfg.precision.name not in ("auto", "fp32", "bf16", "mxfp4_qat"):
+        _fail("precision.name", cfg.precision.name,
+              "must be one of ['auto', 'bf16', 'fp32', 'mxfp4_qat']")
+    if cfg.precision.qat_scale_mode not in ("floor", "rceil"):
+        _fail("precision.qat_scale_mode", cfg.precision.qat_scale_mode,
+              "must be one of ['floor', 'rceil']")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        _fail("device", cfg.device, "must be one of ['auto', 'cpu', 'cuda']")
+    if cfg.logging.wandb_mode not in ("offline", "online", "disabled"):
+        _fail("logging.wandb_mode", cfg.logging.wandb_mode,
+              "must be one of ['disabled', 'offline', 'online']")
+    if cfg.logging.log_every <= 0:
+        _fail("logging.log_every", cfg.logging.log_every, "must be > 0")
+    if cfg.checkpoint.keep_last <= 0:
+        _fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be > 0")
+    if cfg.max_nonfinite_in_a_row <= 0:
+        _fail("max_nonfinite_in_a_row", cfg.max_nonfinite_in_a_row, "must be > 0")
+    return cfg

@@ -1,0 +1,129 @@
+"""Parameter counts, model FLOPs per token and the device peak used for MFU.
+
+FLOPs are counted analytically from the config (the same numbers `k3-plan` prints): 2 FLOPs per
+weight a token passes through (routed experts: top_k of num_experts), plus the attention cores,
+times 3 for forward + backward. Element-wise work (norms, activations, gates) is not counted, as
+in Megatron's and PaLM's MFU convention. Vision-encoder FLOPs are not included (they depend on
+the image mix, not on the text token count).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from model.config import K3Config
+
+
+@dataclass
+class ParamCount:
+    total: int  # every parameter of the multimodal model
+    language_model: int  # without the vision encoder and projector
+    vision: int
+    embedding: int
+    routed_experts: int
+    active: int  # per text token: LM without the input embedding, routed experts at top_k/E
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def count_parameters(model) -> ParamCount:
+    """Counts a built (possibly meta-device) K3Model."""
+    from model.moe.experts import GroupedExperts
+
+    total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for p in model.vision.parameters()) if model.vision is not None else 0
+    embedding = model.embed.weight.numel()
+    routed = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts)
+                 for p in m.parameters())
+    moe = model.cfg.moe
+    active = total - vision - embedding - routed + routed * moe.top_k // moe.num_experts
+    return ParamCount(total, total - vision, vision, embedding, routed, active)
+
+
+def _linear_weights_per_token(cfg: K3Config) -> int:
+    """Weights of the language model a text token multiplies with (input embedding excluded)."""
+    d = cfg.hidden_size
+    k, m, e = cfg.kda, cfg.mla, cfg.moe
+    kda = (3 * d * k.num_heads * k.head_dim  # q, k, v
+           + d * k.num_heads  # beta
+           + d * k.decay_rank + k.decay_rank * k.num_heads * k.head_dim  # decay logit
+           + 2 * d * k.num_heads * k.head_dim  # output gate, output projection
+           + 3 * k.num_heads * k.head_dim * k.conv_kernel)  # short convs
+    mla = (d * m.q_lora_rank + m.q_lora_rank * m.num_heads * m.qk_head_dim
+           + d * (m.kv_lora_rank + m.qk_rope_head_dim)
+           + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+           + 2 * d * m.num_heads * m.v_head_dim)
+    dense = 3 * d * cfg.dense_intermediate
+    expert = 3 * e.latent_dim * e.expert_intermediate
+    moe = (d * e.num_experts  # router
+           + 2 * d * e.latent_dim  # latent down and up
+           + 3 * d * e.num_shared_experts * e.expert_intermediate
+           + e.top_k * expert)
+    kinds = cfg.layer_types()
+    total = sum(kda if kind == "kda" else mla for kind in kinds)
+    total += sum(moe if cfg.is_moe_layer(i) else dense for i in range(cfg.num_layers))
+    return total + d * cfg.vocab_size  # LM head
+
+
+def attention_flops_per_token(cfg: K3Config, seq_len: int, causal: bool = True) -> int:
+    """Forward FLOPs of the attention cores per token for documents of length seq_len.
+
+    MLA: q.k and p.v over the visible context (on average (T+1)/2 tokens when causal, T when
+    counting a dense masked kernel). KDA (chunked form, chunk C, head dims K and V): the
+    intra-chunk k.k and q.k products (2CK each), the triangular solve against [V | K] (C(K+V)),
+    the intra-chunk output (2CV) and the three state products (6KV).
+    """
+    m, k = cfg.mla, cfg.kda
+    ctx = (seq_len + 1) / 2 if causal else seq_len
+    mla = 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * ctx
+    c, dk, dv = k.chunk_size, k.head_dim, k.head_dim
+    kda = k.num_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
+    kinds = cfg.layer_types()
+    return int(kinds.count("mla") * mla + kinds.count("kda") * kda)
+
+
+def forward_flops_per_token(cfg: K3Config, seq_len: int, causal: bool = True) -> int:
+    return 2 * _linear_weights_per_token(cfg) + attention_flops_per_token(cfg, seq_len, causal)
+
+
+def training_flops_per_token(cfg: K3Config, seq_len: int) -> int:
+    """Forward + backward (backward = 2x forward)."""
+    return 3 * forward_flops_per_token(cfg, seq_len)
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) of common training GPUs, by device-name substring.
+_GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
+              "L40S": 362e12, "A10": 125e12}
+
+
+@dataclass
+class PeakFlops:
+    flops: float
+    source: str  # how the peak was obtained: shown next to MFU
+
+    @staticmethod
+    def measure(device: torch.device, seconds: float = 0.3) -> "PeakFlops":
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            for key, peak in _GPU_PEAKS.items():
+                if key in name:
+                    return PeakFlops(peak, f"{key} bf16 peak")
+        return PeakFlops(_matmul_probe(device, seconds), f"{device.type} matmul probe")
+
+
+def _matmul_probe(device: torch.device, seconds: float, n: int = 512) -> float:
+    """Achieved fp32 matmul FLOP/s of this process: the CPU has no datasheet peak to divide by."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * count / (time.perf_counter() - start)

@@ -1,0 +1,155 @@
+"""The training loop: one screen of logic, everything else in small helpers."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from model.batch import K3Batch
+from model.k3 import K3Model
+from parallel.data_parallel import allreduce_gradients
+
+from .checkpoint import Checkpointer
+from .config import TrainConfig, validate_train_config
+from .data import build_loader
+from .distributed import DistEnv, all_reduce_sum, init_distributed, shutdown
+from .flops import PeakFlops, training_flops_per_token
+from .metrics import MetricsLogger
+from .optim.factory import build_optimizer, describe_groups, set_lr
+from .precision.plan import PrecisionPlan
+from .schedule import lr_at
+from .signals import EXIT_DONE, EXIT_PREEMPTED, PreemptionFlag
+from .step_stats import moe_stats, peak_memory_gb
+
+log = logging.getLogger("k3.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def forward_backward(model: K3Model, micro_batches: list[K3Batch], env: DistEnv,
+                     precision: PrecisionPlan) -> torch.Tensor:
+    """Accumulates gradients of the global-token-mean loss; returns the step's mean loss."""
+    local_tokens = sum(mb.num_loss_tokens for mb in micro_batches)
+    global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)], device=env.device))
+    loss_sum = torch.zeros((), device=env.device)
+    for mb in micro_batches:
+        with precision.autocast():
+            out = model(mb.to(env.device))
+        loss = out.loss_sum / global_tokens.squeeze().clamp_min(1.0)
+        loss.backward()
+        loss_sum += loss.detach()
+    return all_reduce_sum(loss_sum)
+
+
+def train(cfg: TrainConfig) -> int:
+    """Runs (or resumes) the configured training; returns the process exit code."""
+    env = init_distributed(cfg.device, cfg.parallel.backend)
+    validate_train_config(cfg, env.world_size)
+    seed_everything(cfg.seed, cfg.deterministic)
+    run_dir = Path(cfg.run_dir)
+    dp_size = cfg.parallel.resolved_data(env.world_size)
+    accum = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * dp_size)
+
+    model = K3Model(cfg.model).to(env.device)
+    precision = PrecisionPlan.build(cfg.precision, env.device, model, cfg.optim.qk_clip_tau)
+    optimizers = build_optimizer(model, cfg.optim)
+    if env.is_main:
+        log.info("optimizer groups:\n%s", describe_groups(model, optimizers))
+    loader = build_loader(cfg, dp_rank=env.rank, dp_size=dp_size)
+    for moe in model.moe_layers():
+        moe.balancer.reduce_fn = all_reduce_sum
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
+                        env.world_size)
+    step = 0
+    latest = ckpt.latest() if cfg.checkpoint.resume else None
+    if latest is not None:
+        step = ckpt.load(latest, model, optimizers, lambda s: loader.load_state_dict(s["loader"]))
+        log.info("resumed from %s at step %d", latest, step)
+    metrics = MetricsLogger(run_dir, env.rank, cfg.logging, cfg.steps, step,
+                            run_config=asdict(cfg))
+    flops_per_token = training_flops_per_token(cfg.model, cfg.stage.seq_len)
+    peak = PeakFlops.measure(env.device)
+    preempt = PreemptionFlag()
+    tokens_per_step = cfg.stage.global_batch_size * cfg.stage.seq_len
+    batches = iter(loader)
+    nonfinite_in_a_row = 0
+    exit_code = EXIT_DONE
+    log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s",
+             cfg.model.name, cfg.steps, dp_size, accum, cfg.stage.micro_batch_size,
+             cfg.stage.seq_len, precision.describe())
+    try:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            lr = lr_at(step, peak_lr=cfg.optim.lr, total_steps=cfg.steps,
+                       warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
+                       min_lr_ratio=cfg.optim.min_lr_ratio)
+            set_lr(optimizers, lr)
+            loss = forward_backward(model, [next(batches) for _ in range(accum)], env, precision)
+            allreduce_gradients(model)
+            max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+            if finite:
+                for opt in optimizers:
+                    opt.step()
+                nonfinite_in_a_row = 0
+            else:
+                nonfinite_in_a_row += 1
+            clip_row = precision.end_step(model, cfg.optim.qk_clip_tau, updated=finite)
+            for moe in model.moe_layers():
+                if finite:
+                    moe.balancer.update()
+                else:
+                    moe.balancer.clear()
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            step += 1
+            elapsed = time.perf_counter() - t0
+            if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite:
+                tps = tokens_per_step / elapsed
+                row = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
+                       "tokens_per_s": tps, "step_time_s": elapsed,
+                       "mfu": tps * flops_per_token / (peak.flops * env.world_size),
+                       "mfu_peak_source": peak.source, "peak_mem_gb": peak_memory_gb(env.device),
+                       "skipped": not finite, "nonfinite_in_a_row": nonfinite_in_a_row,
+                       **moe_stats(model), **clip_row}
+                metrics.log(row)
+            if nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
+                raise NonFiniteLossError(
+                    f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                    f"(last at step {step}); stopping. Lower optim.lr, check the data, or raise "
+                    f"max_nonfinite_in_a_row.")
+            preempted = preempt.agreed(env.device)
+            periodic = cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0
+            final = step == cfg.steps and cfg.checkpoint.save_at_end
+            if periodic or preempted or final:
+                path = ckpt.save(step, model, optimizers, {"loader": loader.state_dict()})
+                log.info("checkpoint %s", path)
+            if preempted and step < cfg.steps:
+                log.warning("preemption signal received: checkpointed at step %d, exiting", step)
+                exit_code = EXIT_PREEMPTED
+                break
+        metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)
+    finally:
+        preempt.restore()
+        shutdown()
+    return exit_code

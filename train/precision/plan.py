@@ -1,0 +1,75 @@
+"""What the `precision` config does to a run: autocast, MX quantisation-aware training, and the
+post-step MLA QK-Clip bookkeeping that needs the attention's max logits."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from model.k3 import K3Model
+
+log = logging.getLogger("k3.train")
+
+
+@dataclass
+class PrecisionPlan:
+    dtype: torch.dtype | None  # autocast dtype, None = fp32
+    device_type: str
+    qat: bool
+    qk_clip: bool
+
+    @classmethod
+    def build(cls, cfg, device: torch.device, model: K3Model, qk_clip_tau: float = 0.0
+              ) -> "PrecisionPlan":
+        name = cfg.name
+        if name == "auto":
+            name = "bf16" if device.type == "cuda" else "fp32"
+        dtype = torch.bfloat16 if name in ("bf16", "mxfp4_qat") and device.type == "cuda" else None
+        if name == "bf16" and device.type != "cuda":
+            dtype = torch.bfloat16  # explicit request: honour it on CPU too
+        plan = cls(dtype, device.type, qat=name == "mxfp4_qat", qk_clip=qk_clip_tau > 0)
+        if plan.qat:
+            from .qat import apply_mx_qat
+
+            count = apply_mx_qat(model, scale_mode=cfg.qat_scale_mode)
+            log.info("MX QAT: %d expert groups with MXFP4 weights and MXFP8 inputs", count)
+        for mla in model.mla_layers():
+            mla.record_max_logit = plan.qk_clip
+        return plan
+
+    def describe(self) -> str:
+        base = "fp32" if self.dtype is None else f"{self.dtype} autocast"
+        return base + (" + MXFP4/MXFP8 QAT" if self.qat else "")
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def end_step(self, model: K3Model, tau: float, updated: bool) -> dict[str, float]:
+        """After the optimizer step (or a skipped one): applies QK-Clip to every MLA layer whose
+        recorded max logit exceeded tau, resets the records, returns figures to log."""
+        if not self.qk_clip:
+            return {}
+        from train.distributed import all_reduce_max
+        from train.optim.qk_clip import qk_clip_
+
+        max_logits, clipped = [], []
+        for mla in model.mla_layers():
+            if mla.max_logit is None:
+                continue
+            all_reduce_max(mla.max_logit)  # every data-parallel replica clips the same heads
+            max_logits.append(mla.max_logit.max())
+            if updated:
+                clipped.append(qk_clip_(mla.q_b.weight, mla.kv_b.weight, mla.max_logit, tau,
+                                        mla.num_heads, mla.nope, mla.rope, mla.v_dim))
+            mla.max_logit = None
+        if not max_logits:
+            return {}
+        row = {"attn/max_logit": float(torch.stack(max_logits).max())}
+        if clipped:
+            row["attn/clipped_heads"] = int(torch.stack(clipped).sum())
+        return row
