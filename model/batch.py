@@ -26,7 +26,7 @@ class VisionInput:
     grid_thw: torch.Tensor  # [I, 3] int64: frames, patch rows, patch cols
     token_positions: torch.Tensor  # [V] int64 positions in the flattened B*T token sequence
 
-    def to(self, device) -> "VisionInput":
+    def to(self, device) -> VisionInput:
         return VisionInput(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
@@ -37,7 +37,7 @@ class K3Batch:
     cu_seqlens: torch.Tensor  # [N + 1] int64 over the flattened B*T tokens
     vision: VisionInput | None = None
 
-    def to(self, device) -> "K3Batch":
+    def to(self, device) -> K3Batch:
         return K3Batch(self.tokens.to(device), self.labels.to(device), self.cu_seqlens.to(device),
                        None if self.vision is None else self.vision.to(device))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and what is valid."""
+    """An invalid configuration value; the message names the field, the value and what is valid."""
 
 
 def _fail(path: str, value, valid: str) -> None:
@@ -172,7 +172,7 @@ class K3Config:
     def num_attnres_blocks(self) -> int:
         return -(-self.num_layers // self.attnres_block_size)
 
-    def validate(self, path: str = "model") -> "K3Config":
+    def validate(self, path: str = "model") -> K3Config:
         for name in ("vocab_size", "hidden_size", "num_layers", "mla_every", "dense_intermediate",
                      "attnres_block_size", "max_seq_len", "situ_beta_gate", "situ_beta_up",
                      "norm_eps", "init_std"):

@@ -52,7 +52,8 @@ class KimiDeltaAttention(nn.Module):
         self.reset_decay_bias()
 
     def reset_decay_bias(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
-        """dt-style init (as fla's KimiDeltaAttention): softplus(b) log-uniform in [dt_min, dt_max]."""
+        """dt-style init (as fla's KimiDeltaAttention): softplus(b) log-uniform in
+        [dt_min, dt_max]."""
         with torch.no_grad():
             dt = torch.exp(torch.rand_like(self.decay_bias) * (math.log(dt_max) - math.log(dt_min))
                            + math.log(dt_min)).clamp_min(1e-4)

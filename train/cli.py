@@ -30,7 +30,8 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     try:
         return OmegaConf.to_object(cfg)
     except Exception as e:  # omegaconf's ValidationError carries the full key
-        raise ConfigError(str(e).splitlines()[0] + f" (field: {getattr(e, 'full_key', '?')})") from e
+        field = getattr(e, "full_key", "?")
+        raise ConfigError(f"{str(e).splitlines()[0]} (field: {field})") from e
 
 
 def run(cfg: DictConfig) -> int:

@@ -1,4 +1,4 @@
-"""Parameter counts, model FLOPs per token and the device peak used for MFU.
+"""Model FLOPs per token and the device peak used for MFU.
 
 FLOPs are counted analytically from the config (the same numbers `k3-plan` prints): 2 FLOPs per
 weight a token passes through (routed experts: top_k of num_experts), plus the attention cores,
@@ -10,38 +10,11 @@ the image mix, not on the text token count).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from model.config import K3Config
-
-
-@dataclass
-class ParamCount:
-    total: int  # every parameter of the multimodal model
-    language_model: int  # without the vision encoder and projector
-    vision: int
-    embedding: int
-    routed_experts: int
-    active: int  # per text token: LM without the input embedding, routed experts at top_k/E
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def count_parameters(model) -> ParamCount:
-    """Counts a built (possibly meta-device) K3Model."""
-    from model.moe.experts import GroupedExperts
-
-    total = sum(p.numel() for p in model.parameters())
-    vision = sum(p.numel() for p in model.vision.parameters()) if model.vision is not None else 0
-    embedding = model.embed.weight.numel()
-    routed = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts)
-                 for p in m.parameters())
-    moe = model.cfg.moe
-    active = total - vision - embedding - routed + routed * moe.top_k // moe.num_experts
-    return ParamCount(total, total - vision, vision, embedding, routed, active)
 
 
 def _linear_weights_per_token(cfg: K3Config) -> int:
@@ -106,7 +79,7 @@ class PeakFlops:
     source: str  # how the peak was obtained: shown next to MFU
 
     @staticmethod
-    def measure(device: torch.device, seconds: float = 0.3) -> "PeakFlops":
+    def measure(device: torch.device, seconds: float = 0.3) -> PeakFlops:
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
             for key, peak in _GPU_PEAKS.items():

@@ -6,7 +6,8 @@ import math
 
 
 def lr_at(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int,
-          schedule: str = "cosine", min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+          schedule: str = "cosine", min_lr_ratio: float = 0.1,
+          decay_fraction: float = 0.2) -> float:
     """lr for the update that follows `step` completed updates (0-based)."""
     if warmup_steps > 0 and step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
