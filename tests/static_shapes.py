@@ -29,7 +29,8 @@ SYNCING_OPS = {
 
 def _shapes(out) -> tuple:
     leaves, _ = tree_flatten(out)
-    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves)
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for t in leaves)
 
 
 def _bool_index(func, args) -> bool:

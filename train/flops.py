@@ -4,7 +4,8 @@ FLOPs are counted analytically from the config (the same numbers `k3-plan` print
 weight a token passes through (routed experts: top_k of num_experts), plus the attention cores,
 times 3 for forward + backward. Element-wise work (norms, activations, gates) is not counted, as
 in Megatron's and PaLM's MFU convention. Vision-encoder FLOPs are not included (they depend on
-the image mix, not on the text token count).
+the image mix, not on the text token count), nor are the depthwise short convolutions (element-wise
+multiply-adds, 0.03% of a K3 layer).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ def _linear_weights_per_token(cfg: K3Config) -> int:
     kda = (3 * d * k.num_heads * k.head_dim  # q, k, v
            + d * k.num_heads  # beta
            + d * k.decay_rank + k.decay_rank * k.num_heads * k.head_dim  # decay logit
-           + 2 * d * k.num_heads * k.head_dim  # output gate, output projection
-           + 3 * k.num_heads * k.head_dim * k.conv_kernel)  # short convs
+           + 2 * d * k.num_heads * k.head_dim)  # output gate, output projection
     mla = (d * m.q_lora_rank + m.q_lora_rank * m.num_heads * m.qk_head_dim
            + d * (m.kv_lora_rank + m.qk_rope_head_dim)
            + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)

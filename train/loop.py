@@ -75,8 +75,9 @@ def train(cfg: TrainConfig) -> int:
     if env.is_main:
         log.info("optimizer groups:\n%s", describe_groups(model, optimizers))
     loader = build_loader(cfg, dp_rank=env.rank, dp_size=dp_size)
-    for moe in model.moe_layers():
-        moe.balancer.reduce_fn = all_reduce_sum
+    balancers = [moe.balancer for moe in model.moe_layers() if moe.balancer is not None]
+    for balancer in balancers:
+        balancer.reduce_fn = all_reduce_sum
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
                         env.world_size)
     step = 0
@@ -115,11 +116,11 @@ def train(cfg: TrainConfig) -> int:
             else:
                 nonfinite_in_a_row += 1
             clip_row = precision.end_step(model, cfg.optim.qk_clip_tau, updated=finite)
-            for moe in model.moe_layers():
+            for balancer in balancers:
                 if finite:
-                    moe.balancer.update()
+                    balancer.update()
                 else:
-                    moe.balancer.clear()
+                    balancer.clear()
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             step += 1

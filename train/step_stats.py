@@ -13,7 +13,7 @@ from model.k3 import K3Model
 def moe_stats(model: K3Model) -> dict[str, float]:
     """Expert load CV and max/mean per MoE layer (of the last balanced step) and the QB bias
     range, as floats for logging."""
-    layers = model.moe_layers()
+    layers = [m for m in model.moe_layers() if m.balancer is not None]
     if not layers:
         return {}
     cv = torch.stack([m.balancer.load_stats()["load_cv"] for m in layers]).float().cpu()

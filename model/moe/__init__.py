@@ -1,0 +1,21 @@
+"""Stable LatentMoE with Quantile Balancing (SPEC 5)."""
+
+from model.moe.balancing import QuantileBalancer, load_statistics, no_reduce
+from model.moe.dispatch import Dispatched, LocalDispatcher
+from model.moe.experts import GroupedExperts, grouped_mm_supported
+from model.moe.layer import LatentMoE
+from model.moe.router import Routing, SigmoidRouter, route
+
+__all__ = [
+    "Dispatched",
+    "GroupedExperts",
+    "LatentMoE",
+    "LocalDispatcher",
+    "QuantileBalancer",
+    "Routing",
+    "SigmoidRouter",
+    "grouped_mm_supported",
+    "load_statistics",
+    "no_reduce",
+    "route",
+]

@@ -23,7 +23,7 @@ class PrecisionPlan:
 
     @classmethod
     def build(cls, cfg, device: torch.device, model: K3Model, qk_clip_tau: float = 0.0
-              ) -> "PrecisionPlan":
+              ) -> PrecisionPlan:
         name = cfg.name
         if name == "auto":
             name = "bf16" if device.type == "cuda" else "fp32"

@@ -1,0 +1,178 @@
+"""`k3-plan`: parameters, active parameters, FLOPs per token and memory per GPU for a model and a
+parallel layout, from the same configs as `k3-train`.
+
+    k3-plan model=k3_full parallel.tensor=8 parallel.expert=64 parallel.pipeline=8 \
+        parallel.data=64 stage.seq_len=8192 stage.micro_batch_size=1 [--json]
+
+The model is built on the meta device (no memory, no time), so the counts are the real module's.
+Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
+Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter,
+and activations from a per-token, per-layer count of saved tensors (see activation_bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from model.config import ConfigError, K3Config
+from model.k3 import K3Model
+from model.params import count_parameters
+
+from .cli import CONFIG_DIR, register_configs, to_train_config
+from .flops import forward_flops_per_token, training_flops_per_token
+
+GiB = 2**30
+
+
+@dataclass
+class Layout:
+    world_size: int
+    data: int
+    tensor: int
+    context: int
+    expert: int
+    pipeline: int
+
+    @property
+    def expert_data(self) -> int:
+        """Data-parallel replicas of an expert: the data x context x tensor ranks of one
+        pipeline stage, split into expert-parallel groups."""
+        return self.data * self.context * self.tensor // self.expert
+
+
+def resolve_layout(parallel) -> Layout:
+    data = parallel.data if parallel.data > 0 else 1
+    layout = Layout(data * parallel.tensor * parallel.context * parallel.pipeline, data,
+                    parallel.tensor, parallel.context, parallel.expert, parallel.pipeline)
+    span = layout.data * layout.context * layout.tensor
+    if span % layout.expert:
+        raise ConfigError(f"parallel.expert={layout.expert} is invalid: must divide "
+                          f"data*context*tensor = {span}")
+    return layout
+
+
+def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Layout,
+                     checkpointing: bool) -> float:
+    """Saved activations of one micro-batch on one GPU (bf16 tensors, fp32 where the model keeps
+    fp32: AttnRes sources and attention outputs). Per token and layer: the inputs of every
+    projection, the KDA/MLA per-head tensors, the routed tokens' latent and intermediate tensors
+    (top_k copies), the shared experts' intermediate, and the AttnRes mixes over up to
+    (blocks + 1) fp32 sources. With activation checkpointing only each layer's input is kept
+    (plus one layer's worth during recomputation)."""
+    d, m, e, k = cfg.hidden_size, cfg.mla, cfg.moe, cfg.kda
+    tokens = seq_len * micro_batch / layout.context
+    sources = cfg.num_attnres_blocks + 1
+    attnres = 2 * sources * d * 4
+    kda = 2 * (6 * d + 6 * k.num_heads * k.head_dim) / layout.tensor
+    mla = 2 * (4 * d + m.q_lora_rank + m.kv_lora_rank
+               + m.num_heads * (2 * m.qk_head_dim + 3 * m.v_head_dim)) / layout.tensor
+    moe = 2 * (2 * d + e.latent_dim * (2 + e.top_k)
+               + e.top_k * 3 * e.expert_intermediate
+               + 3 * e.num_shared_experts * e.expert_intermediate / layout.tensor)
+    kinds = cfg.layer_types()
+    per_layer = [attnres + (kda if kind == "kda" else mla) + moe for kind in kinds]
+    layers_per_stage = -(-cfg.num_layers // layout.pipeline)
+    if checkpointing:
+        per_token = layers_per_stage * d * 2 + max(per_layer)
+    else:
+        per_token = sum(sorted(per_layer)[-layers_per_stage:])
+    logits = 4 * cfg.vocab_size / layout.tensor  # fp32 logits on the last stage
+    # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage.
+    return tokens * (per_token * layout.pipeline + logits)
+
+
+def memory_per_gpu(cfg: K3Config, counts, layout: Layout, optimizer: str, seq_len: int,
+                   micro_batch: int, checkpointing: bool) -> dict[str, float]:
+    routed = counts.routed_experts
+    dense = counts.total - routed
+    dense_local = dense / (layout.tensor * layout.pipeline)
+    expert_local = routed / (layout.expert * layout.pipeline)
+    states = 2 if optimizer == "adamw" else 1  # Muon: one momentum buffer (AdamW on the rest)
+    weights = 2 * (dense_local + expert_local)  # bf16 compute copies
+    grads = 4 * (dense_local + expert_local)  # fp32 gradient accumulation
+    master_and_states = (4 + 4 * states) * (dense_local / layout.data
+                                            + expert_local / layout.expert_data)
+    acts = activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing)
+    total = weights + grads + master_and_states + acts
+    return {"weights_gib": weights / GiB, "grads_gib": grads / GiB,
+            "optimizer_gib": master_and_states / GiB, "activations_gib": acts / GiB,
+            "total_gib": total / GiB}
+
+
+def plan(cfg) -> dict:
+    with torch.device("meta"):
+        model = K3Model(cfg.model)
+    counts = count_parameters(model)
+    layout = resolve_layout(cfg.parallel)
+    seq = cfg.stage.seq_len
+    return {
+        "model": cfg.model.name,
+        "parameters": counts.as_dict(),
+        "flops_per_token": {"forward": forward_flops_per_token(cfg.model, seq),
+                            "training": training_flops_per_token(cfg.model, seq),
+                            "seq_len": seq},
+        "layout": asdict(layout),
+        "memory_per_gpu": memory_per_gpu(cfg.model, counts, layout, cfg.optim.name, seq,
+                                         cfg.stage.micro_batch_size,
+                                         cfg.activation_checkpointing),
+    }
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_plan(p: dict) -> str:
+    c, f, m, lay = p["parameters"], p["flops_per_token"], p["memory_per_gpu"], p["layout"]
+    lines = [
+        f"model {p['model']}",
+        f"  parameters        {_human(c['total'])} total, {_human(c['active'])} active per token "
+        f"(LM {_human(c['language_model'])}, vision {_human(c['vision'])}, "
+        f"routed experts {_human(c['routed_experts'])})",
+        f"  FLOPs per token   {_human(f['forward'])} forward, {_human(f['training'])} training "
+        f"(seq_len {f['seq_len']})",
+        "  layout            " + " ".join(f"{k}={v}" for k, v in lay.items()),
+        "  memory per GPU    " + ", ".join(f"{k.removesuffix('_gib')} {v:.1f} GiB"
+                                          for k, v in m.items()),
+    ]
+    return "\n".join(lines)
+
+
+register_configs()
+_as_json = False
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        train_cfg = to_train_config(cfg)
+        train_cfg.model.validate("model")
+        result = plan(train_cfg)
+    except ConfigError as e:
+        print(f"k3-plan: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(result, indent=2) if _as_json else format_plan(result))
+
+
+def main() -> None:
+    global _as_json
+    if "--json" in sys.argv:
+        sys.argv.remove("--json")
+        _as_json = True
+    # A plan writes nothing: no run directory, no Hydra log files.
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none",
+                 "hydra/hydra_logging=none"]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
