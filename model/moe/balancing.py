@@ -70,6 +70,8 @@ class QuantileBalancer(nn.Module):
         self.estimator = estimator
         self.bins = bins
         self.reduce_fn: Reduce = no_reduce
+        # False while activation checkpointing recomputes a forward: each micro-batch counts once.
+        self.accumulating = True
         self.register_buffer("bias", torch.zeros(num_experts))  # persistent: checkpointed
         self.register_buffer("last_load", torch.zeros(num_experts, dtype=torch.long),
                              persistent=False)
@@ -91,7 +93,7 @@ class QuantileBalancer(nn.Module):
     def accumulate(self, routing: Routing, token_mask: torch.Tensor | None = None) -> None:
         """Adds one micro-batch; `token_mask` [S] is non-zero for tokens that count (padding 0).
         Static shapes, no host sync: padding is weighted out, never indexed out."""
-        if not self.training:
+        if not self.training or not self.accumulating:
             return
         scores, cutoff = routing.scores, routing.cutoff
         num_tokens = scores.shape[0]
