@@ -1,6 +1,6 @@
 """The `slurm_cluster` fixture: one real local Slurm cluster (slurm/local_cluster.py) per session.
 
-Use it from a test module with `pytest_plugins = ["tests.slurm_fixtures"]` (or from conftest.py).
+tests/conftest.py registers it as a plugin, so any test can take `slurm_cluster`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import pytest
 
 from slurm import local_cluster
 
-
 # sacct states of a job that has not reached its final record yet.
 UNFINISHED_STATES = {"", "PENDING", "RUNNING", "COMPLETING", "REQUEUED", "CONFIGURING"}
 
