@@ -38,6 +38,7 @@ setup(
             "k3-plan=train.plan:main",
             "k3-data=data_pipeline.cli:main",
             "k3-submit=slurm.submit:main",
+            "k3-export=train.export:main",
         ]
     },
 )

@@ -226,7 +226,7 @@ def k3_tiny() -> K3Config:
         mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16),
         moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=2, latent_dim=32,
-                      expert_intermediate=48, qb_bins=1000),
+                      expert_intermediate=64, qb_bins=1000),
         vision=VisionConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=32,
                             intermediate_size=128, pos_table_size=16, projector_hidden=128),
     ).validate()

@@ -12,3 +12,14 @@ def _seed():
     torch.manual_seed(0)
 
 pytest_plugins = ["tests.slurm_fixtures"]
+
+
+@pytest.fixture(scope="session")
+def sample_data_dir(tmp_path_factory):
+    """The bundled sample run through the data pipeline once per test session."""
+    from data_pipeline.config import DataConfig
+    from data_pipeline.pipeline import ensure_prepared
+
+    out = tmp_path_factory.mktemp("sample_data")
+    ensure_prepared(DataConfig(output_dir=str(out), progress=False))
+    return out

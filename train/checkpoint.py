@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,13 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _fault_injection(step: int) -> None:
+    """K3_FAULT_KILL_DURING_SAVE=<step>: die by SIGKILL after the shards of that step are written
+    but before the checkpoint is published (the crash-safety test)."""
+    if os.environ.get("K3_FAULT_KILL_DURING_SAVE") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rng_state() -> dict:
@@ -111,6 +119,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizers)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
         torch.save({**rank_state, "rng": rng_state()}, partial / f"rank{self.rank:05d}.pt")
+        _fault_injection(step)
         _barrier()
         if self.rank == 0:
             meta = {"step": step, "world_size": self.world_size, "time": time.time()}

@@ -56,6 +56,11 @@ class ParallelConfig:
 class PrecisionConfig:
     name: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | mxfp4_qat
     qat_scale_mode: str = "floor"  # MX scale rounding: floor (OCP) | rceil (TE)
+    # Transformer Engine for the LM's dense linears (CUDA only): "auto" uses it with the recipe
+    # the GPU supports (Float8BlockScaling on 9.x, MXFP8BlockScaling on 10.x) where TE is
+    # installed; "off" keeps them in bf16 (SPEC 8: attention and latent projections stay high
+    # precision in K3's own recipe).
+    te: str = "off"
 
 
 @dataclass
@@ -77,6 +82,38 @@ class CheckpointConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """How `k3-submit` turns this training config into an sbatch job (one torchrun per node)."""
+
+    job_name: str = "k3"
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: a CPU job
+    procs_per_node: int | None = None  # ranks per node; default gpus_per_node, or 1 on CPU
+    cpus_per_node: int = 2
+    mem: str | None = None  # sbatch --mem, e.g. "0" (all) or "16G"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "01:00:00"
+    constraint: str | None = None
+    exclusive: bool = False
+    output_dir: str = "${run_dir}/slurm"  # sbatch script, resolved config, logs
+    extra_sbatch: list[str] = field(default_factory=list)  # e.g. ["--reservation=big"]
+    env: dict[str, str] = field(default_factory=dict)
+    container_image: str | None = None  # pyxis/enroot: srun --container-image
+    container_mounts: str | None = None
+    requeue: bool = True
+    signal_seconds: int = 120  # SIGUSR1 this long before the time limit: checkpoint + requeue
+    max_restarts: int = 50  # stop requeueing after this many restarts
+    shutdown_timeout_s: int = 300  # torchrun's grace period for the checkpoint on a signal
+
+    def ranks_per_node(self) -> int:
+        if self.procs_per_node is not None:
+            return self.procs_per_node
+        return self.gpus_per_node if self.gpus_per_node > 0 else 1
+
+
+@dataclass
 class TrainConfig:
     model: K3Config = field(default_factory=k3_tiny)
     data: DataConfig = field(default_factory=DataConfig)
@@ -86,6 +123,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run_dir: str = "outputs/run"
     steps: int = 200
     seed: int = 1234
@@ -152,6 +190,15 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     if cfg.precision.qat_scale_mode not in ("floor", "rceil"):
         _fail("precision.qat_scale_mode", cfg.precision.qat_scale_mode,
               "must be one of ['floor', 'rceil']")
+    if cfg.precision.te not in ("off", "auto"):
+        _fail("precision.te", cfg.precision.te, "must be one of ['auto', 'off']")
+    if cfg.precision.name == "mxfp4_qat":
+        for name in ("latent_dim", "expert_intermediate"):
+            value = getattr(cfg.model.moe, name)
+            if value % 32:
+                _fail(f"model.moe.{name}", value,
+                      "must be a multiple of 32 with precision=mxfp4_qat (MX blocks of 32 along "
+                      "the experts' reduction dimensions)")
     if cfg.device not in ("auto", "cpu", "cuda"):
         _fail("device", cfg.device, "must be one of ['auto', 'cpu', 'cuda']")
     if cfg.logging.wandb_mode not in ("offline", "online", "disabled"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -45,6 +46,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def write_marker(path: Path, step: int, env: DistEnv) -> None:
+    """DONE / PREEMPTED in the run directory: how the Slurm job script learns the outcome."""
+    if env.is_main:
+        path.write_text(json.dumps({"step": step, "time": time.time()}))
+
+
 def forward_backward(model: K3Model, micro_batches: list[K3Batch], env: DistEnv,
                      precision: PrecisionPlan) -> torch.Tensor:
     """Accumulates gradients of the global-token-mean loss; returns the step's mean loss."""
@@ -66,6 +73,9 @@ def train(cfg: TrainConfig) -> int:
     validate_train_config(cfg, env.world_size)
     seed_everything(cfg.seed, cfg.deterministic)
     run_dir = Path(cfg.run_dir)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "DONE").unlink(missing_ok=True)
     dp_size = cfg.parallel.resolved_data(env.world_size)
     accum = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * dp_size)
 
@@ -147,9 +157,12 @@ def train(cfg: TrainConfig) -> int:
                 log.info("checkpoint %s", path)
             if preempted and step < cfg.steps:
                 log.warning("preemption signal received: checkpointed at step %d, exiting", step)
+                write_marker(run_dir / "PREEMPTED", step, env)
                 exit_code = EXIT_PREEMPTED
                 break
         metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)
+        if step == cfg.steps:
+            write_marker(run_dir / "DONE", step, env)
     finally:
         preempt.restore()
         shutdown()

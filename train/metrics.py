@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from pathlib import Path
 
 log = logging.getLogger("k3.train")
@@ -59,7 +60,7 @@ class MetricsLogger:
         import wandb
 
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id)
         run = wandb.init(mode=cfg.wandb_mode, dir=str(run_dir), project=cfg.wandb_project,
                          entity=cfg.wandb_entity, id=run_id, resume="allow", config=run_config,

@@ -11,6 +11,8 @@ import torch
 
 from model.k3 import K3Model
 
+from .te_backend import TEPlan, te_plan_for
+
 log = logging.getLogger("k3.train")
 
 
@@ -20,6 +22,7 @@ class PrecisionPlan:
     device_type: str
     qat: bool
     qk_clip: bool
+    te: TEPlan | None = None  # Transformer Engine FP8 linears (CUDA with TE installed)
 
     @classmethod
     def build(cls, cfg, device: torch.device, model: K3Model, qk_clip_tau: float = 0.0
@@ -36,18 +39,26 @@ class PrecisionPlan:
 
             count = apply_mx_qat(model, scale_mode=cfg.qat_scale_mode)
             log.info("MX QAT: %d expert groups with MXFP4 weights and MXFP8 inputs", count)
+        if cfg.te == "auto" and name in ("bf16", "mxfp4_qat"):
+            plan.te = te_plan_for(model, device)
         for mla in model.mla_layers():
             mla.record_max_logit = plan.qk_clip
         return plan
 
     def describe(self) -> str:
         base = "fp32" if self.dtype is None else f"{self.dtype} autocast"
-        return base + (" + MXFP4/MXFP8 QAT" if self.qat else "")
+        base += " + MXFP4/MXFP8 QAT" if self.qat else ""
+        return base + (f" + TE {self.te.recipe_name}" if self.te is not None else "")
 
+    @contextlib.contextmanager
     def autocast(self):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        """torch autocast to `dtype` (nothing for fp32) with TE's FP8 region inside it."""
+        with contextlib.ExitStack() as stack:
+            if self.dtype is not None:
+                stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
+            if self.te is not None:
+                stack.enter_context(self.te.autocast())
+            yield
 
     def end_step(self, model: K3Model, tau: float, updated: bool) -> dict[str, float]:
         """After the optimizer step (or a skipped one): applies QK-Clip to every MLA layer whose

@@ -1,0 +1,273 @@
+"""kda_chunk (chunkwise, static shapes) against kda_recurrent (the reference recurrence):
+outputs, final states and gradients of every input, for the gates, betas and document layouts
+the model produces."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.ops.kda as kda_ops
+from model.batch import cu_seqlens_from_lengths
+from model.ops.kda import kda_chunk, kda_recurrent
+from tests.static_shapes import assert_static, record
+from tests.tolerances import assert_close_rms
+
+TOL = 5e-3  # DESIGN.md section 5: fp32 outputs and states; gradients held to the same bound
+H, K, V = 2, 32, 32
+
+
+def make_inputs(B, T, gate="k3", beta_range=(0.0, 1.0), num_states=None):
+    """Leaf tensors as the KDA layer feeds them: q, k L2-normalised per head, g = log decay."""
+    q = F.normalize(torch.randn(B, T, H, K), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K), dim=-1)
+    v = torch.randn(B, T, H, V)
+    if gate == "k3":  # SPEC 2: g = -5 * sigmoid(exp(A_h) * z)
+        g = -5 * torch.sigmoid(2 * torch.randn(B, T, H, K))
+    elif gate == "floor":
+        g = torch.full((B, T, H, K), -5.0)
+    elif gate == "kimi_linear":  # g = -exp(A_h) * softplus(z), unbounded below
+        A = torch.linspace(0, 4, H).view(H, 1)  # head 0 mild, the last head extreme
+        g = -A.exp() * F.softplus(4 * torch.randn(B, T, H, K))
+    else:
+        raise ValueError(gate)
+    lo, hi = beta_range
+    beta = lo + (hi - lo) * torch.rand(B, T, H)
+    inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    if num_states is not None:
+        inputs["initial_state"] = torch.randn(num_states, H, K, V)
+    return {name: x.requires_grad_() for name, x in inputs.items()}
+
+
+def run(fn, inputs, cotangents, **kwargs):
+    """Output, final state and the gradient of every input for sum(o * do) + sum(state * ds)."""
+    for x in inputs.values():
+        x.grad = None
+    o, state = fn(**inputs, output_final_state=True, **kwargs)
+    loss = (o * cotangents["o"]).sum() + (state * cotangents["state"]).sum()
+    loss.backward()
+    # An input that reaches no output (an empty document) gets no .grad: its gradient is zero.
+    grads = {f"d{name}": torch.zeros_like(x) if x.grad is None else x.grad
+             for name, x in inputs.items()}
+    return {"o": o, "state": state, **grads}
+
+
+def cotangents_for(inputs, num_states):
+    v = inputs["v"]
+    return {"o": torch.randn_like(v), "state": torch.randn(num_states, H, K, V)}
+
+
+def assert_all_close(ref, got):
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.isfinite(got[name]).all(), f"{name} not finite"
+        assert_close_rms(ref[name], got[name], TOL, name)
+
+
+def compare_chunk_to_recurrent(inputs, num_states, **kwargs):
+    cot = cotangents_for(inputs, num_states)
+    ref = run(kda_recurrent, inputs, cot, **kwargs)
+    got = run(kda_chunk, inputs, cot, **kwargs)
+    assert_all_close(ref, got)
+    return ref, got
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_matches_recurrent_with_ragged_tail_and_initial_state(chunk_size):
+    inputs = make_inputs(B=2, T=100, num_states=2)  # 100 is not a multiple of either chunk
+    compare_chunk_to_recurrent(inputs, 2, chunk_size=chunk_size)
+
+
+def test_chunk_matches_recurrent_without_initial_state():
+    inputs = make_inputs(B=1, T=70)
+    compare_chunk_to_recurrent(inputs, 1)
+
+
+@pytest.mark.parametrize("gate", ["floor", "k3"])
+def test_gate_at_the_lower_bound(gate):
+    inputs = make_inputs(B=1, T=130, gate=gate, num_states=1)
+    compare_chunk_to_recurrent(inputs, 1)
+
+
+@pytest.mark.parametrize("beta_range", [(1e-4, 1e-3), (0.999, 1.0)], ids=["near0", "near1"])
+def test_beta_extremes(beta_range):
+    inputs = make_inputs(B=1, T=130, beta_range=beta_range, num_states=1)
+    compare_chunk_to_recurrent(inputs, 1)
+
+
+def test_unbounded_kimi_linear_gate_stays_finite_and_matches():
+    inputs = make_inputs(B=1, T=150, gate="kimi_linear", num_states=1)
+    g = inputs["g"].detach()
+    # The test needs decays that underflow: a 16-token tile sums far below exp(-80).
+    assert g.min() < -100 and g[0, :16].sum(0).min() < -500
+    compare_chunk_to_recurrent(inputs, 1)
+
+
+# Uneven documents: shorter than a chunk, one over several chunks, unaligned boundaries, and a
+# layout with an empty document (its final state is its initial state).
+@pytest.mark.parametrize("lengths", [(5, 150, 30, 17), (40, 0, 70, 1)])
+def test_packed_documents_equal_each_document_alone(lengths):
+    T = sum(lengths)
+    cu_seqlens = cu_seqlens_from_lengths([list(lengths)], T)
+    N = len(lengths)
+    inputs = make_inputs(B=1, T=T, num_states=N)
+    cot = cotangents_for(inputs, N)
+    packed = run(kda_chunk, inputs, cot, cu_seqlens=cu_seqlens)
+
+    alone = {name: [] for name in packed}
+    bounds = cu_seqlens.tolist()
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        doc = {name: x.detach()[:, start:end].clone() for name, x in inputs.items()
+               if name != "initial_state"}
+        doc["initial_state"] = inputs["initial_state"].detach()[n:n + 1].clone()
+        doc = {name: x.requires_grad_() for name, x in doc.items()}
+        doc_cot = {"o": cot["o"][:, start:end], "state": cot["state"][n:n + 1]}
+        result = run(kda_recurrent, doc, doc_cot)
+        for name, x in result.items():
+            alone[name].append(x)
+    alone = {name: torch.cat(xs, dim=0 if name in ("state", "dinitial_state") else 1)
+             for name, xs in alone.items()}
+    assert_all_close(alone, packed)
+    # The packed reference agrees as well (the same document split, done by kda_recurrent).
+    assert_all_close(run(kda_recurrent, inputs, cot, cu_seqlens=cu_seqlens), packed)
+
+
+# Training's case (no states in or out): documents share chunks and are separated by masks.
+# Several documents inside one chunk, one over several chunks, empty slots as the loader pads.
+@pytest.mark.parametrize("lengths", [(5, 150, 30, 17), (3, 4, 0, 9, 2, 60, 0, 0, 1),
+                                     (64, 64, 1, 63)])
+def test_packed_documents_without_states_equal_each_document_alone(lengths):
+    T = sum(lengths)
+    cu_seqlens = cu_seqlens_from_lengths([list(lengths)], T)
+    inputs = make_inputs(B=1, T=T)
+    do = torch.randn_like(inputs["v"])
+
+    def outputs_and_grads(fn, **kwargs):
+        for x in inputs.values():
+            x.grad = None
+        o, state = fn(**inputs, **kwargs)
+        assert state is None
+        (o * do).sum().backward()
+        return {"o": o, **{f"d{n}": x.grad.clone() for n, x in inputs.items()}}
+
+    ref = outputs_and_grads(kda_recurrent, cu_seqlens=cu_seqlens)
+    for chunk_size in (16, 64):
+        got = outputs_and_grads(kda_chunk, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        assert_all_close(ref, got)
+
+
+def test_packed_documents_without_states_cost_no_padding():
+    """Empty document slots must not grow the work: the chunked buffer is ceil(T / C) chunks."""
+    T, chunk = 96, 32
+    many_slots = cu_seqlens_from_lengths([[40, 56] + [0] * 60], T)
+    inputs = make_inputs(B=1, T=T)
+    rec = record(lambda: kda_chunk(**inputs, cu_seqlens=many_slots, chunk_size=chunk))
+    chunk_dims = {shape[2] for _, shapes in rec.trace for shape in shapes
+                  if isinstance(shape, tuple) and len(shape) == 5 and shape[:2] == (1, H)}
+    assert chunk_dims == {T // chunk}, chunk_dims
+
+
+def test_static_shapes_without_states_for_two_document_layouts():
+    T = 202
+    inputs = make_inputs(B=1, T=T)
+
+    def step(cu_seqlens):
+        for x in inputs.values():
+            x.grad = None
+        kda_chunk(**inputs, cu_seqlens=cu_seqlens)[0].sum().backward()
+
+    recs = [record(step, cu_seqlens_from_lengths([list(lengths)], T))
+            for lengths in [(5, 150, 30, 17), (100, 2, 50, 50)]]
+    assert_static(*recs)
+
+
+def test_static_shapes_for_two_document_layouts():
+    T = 202
+    layouts = [(5, 150, 30, 17), (100, 2, 50, 50)]
+    inputs = make_inputs(B=1, T=T, num_states=len(layouts[0]))
+
+    def step(cu_seqlens):
+        for x in inputs.values():
+            x.grad = None  # a second backward would accumulate (add_) instead of assigning
+        o, state = kda_chunk(**inputs, output_final_state=True, cu_seqlens=cu_seqlens)
+        (o.sum() + state.sum()).backward()
+
+    recs = [record(step, cu_seqlens_from_lengths([list(lengths)], T)) for lengths in layouts]
+    assert_static(*recs)
+
+
+def test_recurrent_matches_the_spec_matrix_form():
+    """S_t = (I - b k k^T) Diag(a) S_{t-1} + b k v^T, o_t = S_t^T q_t / sqrt(d_k), written out
+    with explicit matrices, guards the reference itself."""
+    inputs = make_inputs(B=1, T=12, num_states=1)
+    q, k, v, g, beta, h0 = (x.detach().double() for x in inputs.values())
+    S = h0[0]
+    expected = torch.empty(12, H, V, dtype=torch.double)
+    eye = torch.eye(K, dtype=torch.double)
+    for t in range(12):
+        for h in range(H):
+            kt = k[0, t, h, :, None]
+            M = (eye - beta[0, t, h] * kt @ kt.T) @ torch.diag(g[0, t, h].exp())
+            S[h] = M @ S[h] + beta[0, t, h] * kt @ v[0, t, h, None, :]
+            expected[t, h] = S[h].T @ q[0, t, h] / K ** 0.5
+    o, state = kda_recurrent(**inputs, output_final_state=True)
+    assert_close_rms(expected, o[0], 1e-6, "o")
+    assert_close_rms(S, state[0], 1e-6, "state")
+
+
+def test_dtypes_and_optional_final_state():
+    inputs = {name: x.detach().bfloat16() for name, x in make_inputs(B=1, T=40).items()}
+    for fn in (kda_chunk, kda_recurrent):
+        o, state = fn(**inputs)
+        assert o.dtype == torch.bfloat16 and state is None
+        _, state = fn(**inputs, output_final_state=True)
+        assert state.dtype == torch.float32 and state.shape == (1, H, K, V)
+
+
+def test_argument_validation():
+    inputs = {name: x.detach() for name, x in make_inputs(B=2, T=20).items()}
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_chunk(**inputs, chunk_size=24)
+    with pytest.raises(ValueError, match="B=1"):
+        kda_chunk(**inputs, cu_seqlens=torch.tensor([0, 10, 40]))
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_chunk(**inputs, initial_state=torch.zeros(1, H, K, V))
+    with pytest.raises(ValueError, match="backend"):
+        kda_chunk(**inputs, backend="triton")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla-core is installed")
+def test_fla_backend_without_fla_says_so():
+    inputs = {name: x.detach() for name, x in make_inputs(B=1, T=20).items()}
+    with pytest.raises(RuntimeError, match="fla-core"):
+        kda_chunk(**inputs, backend="fla")
+
+
+def test_fla_backend_gets_fla_arguments(monkeypatch):
+    """The fla dispatch (exercised on a GPU only) with a stand-in that checks what fla's
+    chunk_kda is given: fp32 initial states, safe_gate with the bound, the static varlen mode."""
+    calls = []
+
+    def fake_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
+                       output_final_state=False, safe_gate=False, lower_bound=None,
+                       cu_seqlens=None, use_graph=False, chunk_size=64):
+        calls.append({"safe_gate": safe_gate, "lower_bound": lower_bound, "use_graph": use_graph,
+                      "chunk_size": chunk_size, "h0_dtype": initial_state.dtype})
+        return kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state,
+                             cu_seqlens)
+
+    monkeypatch.setattr(kda_ops, "_fla_chunk_kda", lambda: fake_chunk_kda)
+    inputs = {name: x.detach() for name, x in make_inputs(B=1, T=40, num_states=2).items()}
+    inputs["initial_state"] = inputs["initial_state"].bfloat16()
+    cu_seqlens = torch.tensor([0, 15, 40])
+    o, state = kda_chunk(**inputs, output_final_state=True, cu_seqlens=cu_seqlens,
+                         backend="fla", lower_bound=-5.0, chunk_size=32)
+    assert calls == [{"safe_gate": True, "lower_bound": -5.0, "use_graph": True,
+                      "chunk_size": 32, "h0_dtype": torch.float32}]
+    expected, _ = kda_chunk(**inputs, output_final_state=True, cu_seqlens=cu_seqlens,
+                            backend="torch")
+    assert_close_rms(expected, o, TOL, "o")
+    # auto on CPU stays on the torch path even when fla is importable.
+    kda_chunk(**inputs, cu_seqlens=cu_seqlens)
+    assert len(calls) == 1
