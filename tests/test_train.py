@@ -8,12 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import (FAST, REPO, losses, read_metrics, run_train, train_cmd,
-                                 train_env)
+from tests.train_helpers import FAST, REPO, losses, read_metrics, run_train, train_cmd, train_env
 from train.wandb_records import read_history, run_id
 
 pytestmark = pytest.mark.slow

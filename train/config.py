@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 
 from data_pipeline.config import DataConfig, StageConfig
-
 from model.config import ConfigError, K3Config, k3_tiny
 
 __all__ = ["ConfigError", "TrainConfig", "validate_train_config"]
