@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -34,7 +35,15 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
         raise ConfigError(f"{str(e).splitlines()[0]} (field: {field})") from e
 
 
+def quiet_libraries() -> None:
+    """Keeps the console to the run's own lines: megatron-core logs every index file it opens at
+    INFO and warns on import that TE/Apex are missing (expected on CPU)."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+
 def run(cfg: DictConfig) -> int:
+    quiet_libraries()
     from .loop import train
 
     try:
