@@ -207,7 +207,7 @@ def k3_small() -> K3Config:
         kda=KDAConfig(num_heads=8, head_dim=128, decay_rank=64),
         mla=MLAConfig(num_heads=8, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=64,
                       qk_rope_head_dim=32, v_head_dim=64),
-        moe=MoEConfig(num_experts=64, top_k=4, num_shared_experts=2, latent_dim=512,
+        moe=MoEConfig(num_experts=48, top_k=4, num_shared_experts=2, latent_dim=512,
                       expert_intermediate=768),
         vision=VisionConfig(hidden_size=384, num_layers=6, num_heads=6, head_dim=64,
                             intermediate_size=1536, projector_hidden=1024),

@@ -1,0 +1,39 @@
+"""k3-plan: counts from the real (meta-device) model, FLOPs from the tested analytic count."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from model.config import k3_full
+from tests.train_helpers import REPO
+from train.flops import forward_flops_per_token, training_flops_per_token
+
+
+def _plan(*overrides):
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--json", *overrides], cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_plan_of_the_full_model_on_a_large_layout():
+    p = _plan("model=k3_full", "parallel.tensor=8", "parallel.expert=64", "parallel.pipeline=8",
+              "parallel.data=64", "stage.seq_len=8192", "stage.micro_batch_size=1",
+              "activation_checkpointing=true")
+    params = p["parameters"]
+    assert abs(params["total"] / 2.78e12 - 1) < 0.005
+    assert abs(params["active"] / 104.2e9 - 1) < 0.005
+    assert p["flops_per_token"]["forward"] == forward_flops_per_token(k3_full(), 8192)
+    assert p["flops_per_token"]["training"] == training_flops_per_token(k3_full(), 8192)
+    assert p["layout"]["world_size"] == 8 * 8 * 64
+    mem = p["memory_per_gpu"]
+    assert 0 < mem["total_gib"] < 141, mem  # fits an H200 with this layout
+    assert mem["total_gib"] == pytest.approx(sum(v for k, v in mem.items() if k != "total_gib"))
+
+
+def test_plan_rejects_an_expert_layout_that_does_not_divide():
+    out = subprocess.run([sys.executable, "-m", "train.plan", "parallel.expert=3"], cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2 and "parallel.expert=3" in out.stderr
