@@ -1,0 +1,257 @@
+"""The training loader: packed rows from the shards of a manifest as model.batch.K3Batch.
+
+Order. One epoch holds as many samples as there are rows over all sources; a source's share is
+its mixture weight, the weights normalised to sum 1 with a null weight standing for the
+source's share of all rows; shares become counts by largest remainder. A source
+with more samples than rows repeats its rows, fewer samples take a prefix of a fresh
+permutation (seeded by seed, source, cycle), so over epochs every row is used equally often.
+The epoch's samples are shuffled (seeded by seed, epoch) and cut into global batches of
+micro_batch_size * dp_world_size rows (the tail that does not fill one is dropped); DP rank r
+takes rows [r*B, (r+1)*B) of each, so ranks see disjoint samples. Iteration is endless.
+
+State. state_dict() is the number of batches this rank has taken plus what they depend on;
+load_state_dict() continues with exactly the batches an uninterrupted run would have produced.
+
+Batch layout (model/batch.py). tokens/labels [B, T]; labels are the next token inside a
+document piece and -100 on the last position of each piece, on padding and where the target is
+an image placeholder. cu_seqlens has exactly B * max_docs_per_row + 1 entries: row r's
+documents, then its padding document (if any), then zero-length documents (the boundary
+(r+1)*T repeated) up to max_docs_per_row per row. Vision: patches [P, 3*p*p] in [-1, 1],
+grid_thw [I, 3], token_positions [V] = the flattened positions of the <image> tokens, in
+order; `vision` is None for a batch without pictures.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import count
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from model.batch import K3Batch, VisionInput
+from model.config import ConfigError
+
+from .config import StageConfig
+from .imaging import frames_to_patches, placeholder_count
+from .packing import row_offsets
+from .shards import ShardReader
+from .tokenizer import IMAGE_ID, PAD_ID
+
+IGNORE = -100
+STATE_VERSION = 1
+
+
+def apportion(weights: np.ndarray, total: int) -> np.ndarray:
+    """Integer counts summing to `total`, proportional to `weights` (largest remainder)."""
+    share = weights / weights.sum() * total
+    counts = np.floor(share).astype(np.int64)
+    rest = np.argsort(-(share - counts), kind="stable")[:total - counts.sum()]
+    counts[rest] += 1
+    return counts
+
+
+class BatchSource(Dataset):
+    """Map-style dataset: step index -> this rank's K3Batch (picklable for worker processes)."""
+
+    def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
+                 dp_rank: int, dp_world_size: int, seed: int, max_docs_per_row: int,
+                 patch_size: int, merge_size: int, frames_per_chunk: int):
+        root = Path(manifest_path).parent
+        manifest = json.loads(Path(manifest_path).read_text())
+        if not manifest.get("complete"):
+            raise ValueError(f"{manifest_path} is not a complete manifest")
+        vision = manifest["vision"]
+        for name, value in (("patch_size", patch_size), ("merge_size", merge_size),
+                            ("frames_per_chunk", frames_per_chunk)):
+            if vision[name] != value:
+                raise ConfigError(f"vision {name}={value} does not match the data, whose "
+                                  f"placeholders were sized with {name}={vision[name]} "
+                                  f"({manifest_path})")
+        self.fingerprint = manifest["fingerprint"]
+        self.seq_len, self.batch, self.slots = seq_len, micro_batch_size, max_docs_per_row
+        self.rank, self.world, self.seed = dp_rank, dp_world_size, seed
+        self.patch_size, self.merge_size, self.frames_per_chunk = (patch_size, merge_size,
+                                                                   frames_per_chunk)
+        self.readers: list[ShardReader] = []
+        self.plans: list[np.ndarray] = []
+        row_shard, row_start, row_end, source_rows, weights = [], [], [], [], []
+        for source in manifest["sources"]:
+            first = len(row_shard)
+            for shard in source["shards"]:
+                reader = ShardReader(root / shard["prefix"])
+                plan = reader.plan(seq_len, max_docs_per_row)
+                offsets = row_offsets(plan)
+                row_shard += [len(self.readers)] * (len(offsets) - 1)
+                row_start += offsets[:-1].tolist()
+                row_end += offsets[1:].tolist()
+                self.readers.append(reader)
+                self.plans.append(plan)
+            source_rows.append((first, len(row_shard)))
+            weights.append(source["weight"])
+        self.row_shard = np.array(row_shard, dtype=np.int64)
+        self.row_start = np.array(row_start, dtype=np.int64)
+        self.row_end = np.array(row_end, dtype=np.int64)
+        self.source_rows = source_rows
+        sizes = np.array([e - b for b, e in source_rows], dtype=np.float64)
+        total = sizes.sum()
+        w = np.array([size / total if wt is None else wt for wt, size in zip(weights, sizes)])
+        w[sizes == 0] = 0.0
+        self.samples_per_source = apportion(w, int(total))
+        self.global_batch = micro_batch_size * dp_world_size
+        self.steps_per_epoch = int(total) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{int(total)} rows of {seq_len} tokens cannot fill one global "
+                             f"batch of {self.global_batch} rows")
+        self._epoch_cache: tuple[int, np.ndarray] | None = None
+
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        """The global row of every sample of an epoch, in order."""
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        parts = []
+        for s, ((begin, end), n) in enumerate(zip(self.source_rows, self.samples_per_source)):
+            size = end - begin
+            if n == 0:
+                continue
+            used = epoch * int(n) + np.arange(n)  # samples taken from this source so far
+            cycles, within = np.divmod(used, size)
+            rows = np.empty(n, dtype=np.int64)
+            for c in np.unique(cycles):
+                perm = np.random.default_rng([self.seed, s, int(c)]).permutation(size)
+                rows[cycles == c] = begin + perm[within[cycles == c]]
+            parts.append(rows)
+        rows = np.concatenate(parts)
+        rows = rows[np.random.default_rng([self.seed, 1 << 20, epoch]).permutation(len(rows))]
+        self._epoch_cache = (epoch, rows)
+        return rows
+
+    def rows_for_step(self, step: int) -> np.ndarray:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        start = within * self.global_batch + self.rank * self.batch
+        return self.epoch_rows(epoch)[start:start + self.batch]
+
+    def pieces(self, row: int) -> np.ndarray:
+        return self.plans[self.row_shard[row]][self.row_start[row]:self.row_end[row]]
+
+    def __len__(self) -> int:  # one epoch; the loader's sampler runs past it
+        return self.steps_per_epoch
+
+    def __getitem__(self, step: int) -> K3Batch:
+        T, S = self.seq_len, self.slots
+        tokens = np.full((self.batch, T), PAD_ID, dtype=np.int64)
+        labels = np.full((self.batch, T), IGNORE, dtype=np.int64)
+        bounds = [0]
+        items = []
+        for b, row in enumerate(self.rows_for_step(step)):
+            reader = self.readers[self.row_shard[row]]
+            pos = 0
+            for _, seq, offset, length in self.pieces(row):
+                piece = reader.tokens(seq, offset, length)
+                tokens[b, pos:pos + length] = piece
+                target = piece[1:].copy()
+                target[target == IMAGE_ID] = IGNORE
+                labels[b, pos:pos + length - 1] = target
+                item = reader.vision_item(seq)
+                if item is not None:
+                    items.append((reader, item))
+                pos += length
+                bounds.append(b * T + pos)
+            bounds += [(b + 1) * T] * ((b + 1) * S + 1 - len(bounds))
+        return K3Batch(torch.from_numpy(tokens), torch.from_numpy(labels),
+                       torch.tensor(bounds, dtype=torch.long), self._vision(tokens, items))
+
+    def _vision(self, tokens: np.ndarray, items: list) -> VisionInput | None:
+        positions = np.flatnonzero(tokens.reshape(-1) == IMAGE_ID)
+        if not items:
+            return None
+        patches, grids, expected = [], [], 0
+        for reader, item in items:
+            t, h, w = (int(v) for v in item[2:5])
+            patches.append(frames_to_patches(reader.frame_pixels(item), self.patch_size))
+            grids.append((t, h, w))
+            expected += placeholder_count(t, h, w, self.merge_size, self.frames_per_chunk)
+        if expected != len(positions):
+            raise ValueError(f"{len(positions)} <image> tokens in the batch, but its pictures "
+                             f"need {expected}")
+        return VisionInput(torch.from_numpy(np.concatenate(patches)),
+                           torch.tensor(grids, dtype=torch.long),
+                           torch.from_numpy(positions.astype(np.int64)))
+
+
+class _Steps(torch.utils.data.Sampler):
+    def __init__(self, start: int):
+        self.start = start
+
+    def __iter__(self):
+        return count(self.start)
+
+
+def _as_is(batch):
+    return batch
+
+
+class K3DataLoader:
+    """Endless, DP-sharded, resumable iterator of K3Batch over a manifest's shards."""
+
+    def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
+                 dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, num_workers: int = 0,
+                 patch_size: int = 14, merge_size: int = 2, frames_per_chunk: int = 4,
+                 max_docs_per_row: int = 64):
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world_size={dp_world_size})")
+        self.source = BatchSource(manifest_path, seq_len, micro_batch_size, dp_rank,
+                                  dp_world_size, seed, max_docs_per_row, patch_size, merge_size,
+                                  frames_per_chunk)
+        self.num_workers = num_workers
+        self.step = 0
+        self._it = None
+
+    @classmethod
+    def from_stage(cls, manifest_path: str | Path, stage: StageConfig, dp_rank: int = 0,
+                   dp_world_size: int = 1, vision=None) -> K3DataLoader:
+        """`vision`: the model's VisionConfig (patch_size, merge_size, time_table_size)."""
+        kwargs = {} if vision is None else {"patch_size": vision.patch_size,
+                                            "merge_size": vision.merge_size,
+                                            "frames_per_chunk": vision.time_table_size}
+        return cls(manifest_path, stage.seq_len, stage.micro_batch_size, dp_rank, dp_world_size,
+                   stage.seed, stage.num_workers, max_docs_per_row=stage.max_docs_per_row,
+                   **kwargs)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.source.steps_per_epoch
+
+    def __iter__(self):
+        """Batches from the current state on; each one handed out advances the state."""
+        if self.num_workers == 0:
+            batches = (self.source[s] for s in count(self.step))
+        else:
+            batches = iter(DataLoader(self.source, batch_size=None, sampler=_Steps(self.step),
+                                      num_workers=self.num_workers, collate_fn=_as_is))
+        for batch in batches:
+            self.step += 1
+            yield batch
+
+    def __next__(self) -> K3Batch:
+        if self._it is None:
+            self._it = iter(self)
+        return next(self._it)
+
+    def state_dict(self) -> dict:
+        s = self.source
+        return {"version": STATE_VERSION, "step": self.step, "seed": s.seed,
+                "seq_len": s.seq_len, "micro_batch_size": s.batch, "dp_rank": s.rank,
+                "dp_world_size": s.world, "max_docs_per_row": s.slots,
+                "fingerprint": s.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in mine:
+            if key != "step" and state.get(key) != mine[key]:
+                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader "
+                                 f"{mine[key]!r}: the batches would not continue exactly")
+        self.step = int(state["step"])
+        self._it = None

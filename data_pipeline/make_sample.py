@@ -1,0 +1,510 @@
+"""Generates the bundled raw sample under data_pipeline/sample/ (deterministic; < 3 MB):
+
+    text/web/*.jsonl              encyclopedia-style documents about invented towns, with planted
+                                  exact duplicates, near duplicates (Jaccard 0.8-0.9), junk for
+                                  every quality rule and malformed / non-UTF-8 / empty records
+    text/knowledge/*.parquet      definitions of invented animals (the rephrasing source)
+    images/wds/*.tar              WebDataset shards of rendered shape scenes with captions
+                                  ("a large red circle at the top left"), one broken shard
+    images/folder/*.png + .txt    more scenes, an image-folder source
+    video/frames/<id>/            frame folders of a moving shape + caption.txt
+    video/gif/*.gif + .txt        the same kind of clips as animated GIFs
+    planted.json                  every planted record with what the pipeline must do with it
+
+Run `python -m data_pipeline.make_sample` to regenerate; the output is byte-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+import shutil
+import tarfile
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from .config import SAMPLE_DIR, DataConfig
+from .dedup import jaccard, word_shingles
+from .imaging import perceptual_signature
+
+SEED = 20260
+CANVAS = 112
+
+# ---------------------------------------------------------------- text
+
+_SYL = ["va", "lor", "mi", "ten", "ka", "dru", "sel", "or", "bre", "nis", "ta", "quen", "hol",
+        "ri", "mar", "en", "zu", "fal", "do", "wyn", "ast", "el", "gor", "pa", "thi", "lun"]
+_DIRECTIONS = ["northern", "southern", "eastern", "western"]
+_GOODS = ["wool", "salt", "copper", "honey", "amber", "timber", "glass", "cheese", "linen",
+          "pottery", "barley", "olive oil", "dried fish", "leather", "iron tools", "silver"]
+_TRADES = ["weavers", "potters", "fishermen", "smiths", "millers", "brewers", "carpenters",
+           "glassblowers", "shepherds", "masons"]
+_LANDMARKS = ["a stone bridge", "an old watchtower", "a covered market", "a round chapel",
+              "a tall lighthouse", "a walled garden", "a wooden mill", "a public bath",
+              "a library of maps", "a clock tower"]
+_FESTIVALS = ["a lantern festival", "a harvest fair", "a boat race", "a music contest",
+              "a spring market", "a winter feast"]
+_SEASONS = ["spring", "summer", "autumn", "winter"]
+_TERRAIN = ["rolling hills", "a wide marsh", "pine forests", "chalk cliffs", "a quiet lake",
+            "terraced vineyards", "a rocky coast", "open meadows"]
+
+_TOWN_SENTENCES = [
+    "The town of {name} lies on the {dir} bank of the river {river}.",
+    "It was founded in the year {year} by a group of {trade} from the coast.",
+    "Most of its {pop} inhabitants work as {trade2} or trade in {good}.",
+    "The market of {name} is famous for its {good} and its {good2}.",
+    "Visitors often come to see {landmark}, which was built about {age} years ago.",
+    "Every {season} the people of {name} hold {festival} that lasts for {days} days.",
+    "The land around the town is covered with {terrain} and small farms.",
+    "A road connects {name} with the larger city of {city}, about {dist} miles away.",
+    "In the old days the town paid its taxes in {good} instead of coins.",
+    "The local council meets in a hall next to {landmark}.",
+    "Children in {name} learn to swim in the river before they can read.",
+    "Travellers say that the bread of {name} is the best in the whole valley.",
+    "During a flood in {year2} the lower streets were under water for a week.",
+    "The climate is mild, although the winds from the {dir2} can be strong in {season2}.",
+    "Many houses have red roofs and walls painted in bright colours.",
+    "The town has a small school, two inns and a harbour for river boats.",
+]
+_ANIMAL_SENTENCES = [
+    "The {name} is a {size} animal that lives in {habitat}.",
+    "It has {cover} and a {tail} tail that helps it keep its balance.",
+    "The {name} feeds mainly on {food}, which it finds {when}.",
+    "Females lay between {eggs} and {eggs2} eggs in a nest hidden among {hiding}.",
+    "Young animals stay with their mother for about {months} months.",
+    "Scientists first described the {name} in the year {year}.",
+    "Its call sounds like {sound} and can be heard over long distances.",
+    "The {name} is not dangerous to people, but it defends its nest with great courage.",
+    "Farmers like the {name} because it eats insects that harm the crops.",
+    "In cold months the {name} grows thicker {cover2} and sleeps for long hours.",
+    "An adult weighs about {weight} kilograms and lives for up to {life} years.",
+    "The {name} is closely related to the {relative}, but it is larger and slower.",
+]
+_ANIMAL_SLOTS = {
+    "size": ["small", "large", "slender", "stocky", "tiny", "heavy"],
+    "habitat": ["dry grasslands", "mountain forests", "river valleys", "coastal dunes",
+                "old orchards", "high plateaus", "swampy lowlands"],
+    "cover": ["soft grey fur", "spotted brown feathers", "thin green scales", "striped fur",
+              "short golden hair", "dark glossy feathers"],
+    "cover2": ["fur", "feathers", "down"],
+    "tail": ["long", "short", "bushy", "flat", "curled"],
+    "food": ["seeds and berries", "small fish", "beetles and worms", "roots and bark",
+             "fallen fruit", "snails"],
+    "when": ["at dawn", "after rain", "under fallen leaves", "near the water", "at night"],
+    "hiding": ["tall reeds", "rocks", "tree roots", "thorny bushes", "dry grass"],
+    "sound": ["a short whistle", "a low drum", "a creaking door", "two soft bells",
+              "a sharp click"],
+    "relative": ["marsh hare", "stone owl", "river otter", "field lark", "hill goat"],
+}
+
+
+def _name(rng: random.Random, used: set[str]) -> str:
+    while True:
+        name = "".join(rng.choice(_SYL) for _ in range(rng.randint(2, 3))).capitalize()
+        if name not in used:
+            used.add(name)
+            return name
+
+
+def _fill(template: str, slots: dict) -> str:
+    return template.format(**slots)
+
+
+def town_document(rng: random.Random, used: set[str]) -> str:
+    name = _name(rng, used)
+    slots = {"name": name, "river": _name(rng, used), "city": _name(rng, used),
+             "dir": rng.choice(_DIRECTIONS), "dir2": rng.choice(_DIRECTIONS),
+             "year": rng.randint(900, 1700), "year2": rng.randint(1700, 1990),
+             "trade": rng.choice(_TRADES), "trade2": rng.choice(_TRADES),
+             "pop": rng.randint(800, 40000), "good": rng.choice(_GOODS),
+             "good2": rng.choice(_GOODS), "landmark": rng.choice(_LANDMARKS),
+             "age": rng.randint(60, 700), "season": rng.choice(_SEASONS),
+             "season2": rng.choice(_SEASONS), "festival": rng.choice(_FESTIVALS),
+             "days": rng.randint(2, 9), "terrain": rng.choice(_TERRAIN),
+             "dist": rng.randint(5, 120)}
+    first, rest = _TOWN_SENTENCES[0], _TOWN_SENTENCES[1:]
+    picked = [first] + rng.sample(rest, rng.randint(6, 11))
+    sentences = [_fill(t, slots) for t in picked]
+    cut = rng.randint(3, len(sentences) - 2)
+    return " ".join(sentences[:cut]) + "\n\n" + " ".join(sentences[cut:])
+
+
+def animal_document(rng: random.Random, used: set[str]) -> str:
+    slots = {k: rng.choice(v) for k, v in _ANIMAL_SLOTS.items()}
+    slots.update(name=_name(rng, used).lower(), eggs=rng.randint(2, 4), eggs2=rng.randint(5, 9),
+                 months=rng.randint(2, 14), year=rng.randint(1750, 2010),
+                 weight=rng.randint(1, 90), life=rng.randint(3, 40))
+    picked = [_ANIMAL_SENTENCES[0]] + rng.sample(_ANIMAL_SENTENCES[1:], rng.randint(6, 10))
+    return " ".join(_fill(t, slots) for t in picked)
+
+
+def _near_duplicate(rng: random.Random, text: str, ngram: int) -> tuple[str, float]:
+    """Replace random words while the Jaccard similarity stays above a random target in
+    [0.8, 0.9]."""
+    target = rng.uniform(0.8, 0.9)
+    original = word_shingles(text, ngram)
+    words = text.split(" ")
+    best_j, misses = 1.0, 0
+    while misses < 30:
+        i = rng.randrange(len(words))
+        old, words[i] = words[i], rng.choice(["quite", "also", "very", "often", "still"])
+        j = jaccard(original, word_shingles(" ".join(words), ngram))
+        if target <= j < best_j:
+            best_j, misses = j, 0
+        else:
+            words[i], misses = old, misses + 1
+    assert 0.8 <= best_j < 1.0, best_j
+    return " ".join(words), best_j
+
+
+def _junk(rng: random.Random) -> list[tuple[str, str]]:
+    """(text, ledger stage expected to drop it)."""
+    gibberish = " ".join("".join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(5))
+                         for _ in range(80))
+    lines = "\n".join(f"- item {i} ..." for i in range(40))
+    return [
+        ("Click here to subscribe.", "filter_text_length"),
+        ("Buy now! Best prices.", "filter_text_length"),
+        (" ".join(["#$%&*@!"] * 60), "filter_gopher_quality"),
+        (gibberish, "filter_gopher_quality"),
+        ("\n".join("\u2022 cheap flights and hotels" for _ in range(40)), "filter_gopher_quality"),
+        (lines, "filter_gopher_quality"),
+        (" ".join(["Pneumonoultramicroscopicsilicovolcanoconiosis"] * 12),
+         "filter_gopher_quality"),
+        ("\n".join(["The offer is valid for all members of the club and their families."] * 30),
+         "filter_gopher_repetition"),
+        ("\n\n".join(["Sign up with your email to get the newsletter of the week and the best "
+                      "deals of the month in your inbox."] * 12), "filter_gopher_repetition"),
+    ]
+
+
+# ---------------------------------------------------------------- pictures
+
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
+          "yellow": (240, 200, 30), "purple": (150, 60, 190), "orange": (245, 140, 30)}
+SHAPES = ("circle", "square", "triangle")
+SIZES = {"small": 14, "large": 26}
+POSITIONS = {"top left": (28, 28), "top": (56, 28), "top right": (84, 28), "left": (28, 56),
+             "center": (56, 56), "right": (84, 56), "bottom left": (28, 84),
+             "bottom": (56, 84), "bottom right": (84, 84)}
+
+
+def _draw(draw: ImageDraw.ImageDraw, shape: str, color, center, radius: int) -> None:
+    x, y = center
+    box = (x - radius, y - radius, x + radius, y + radius)
+    if shape == "circle":
+        draw.ellipse(box, fill=color)
+    elif shape == "square":
+        draw.rectangle(box, fill=color)
+    else:
+        draw.polygon([(x, y - radius), (x - radius, y + radius), (x + radius, y + radius)],
+                     fill=color)
+
+
+def _scene(objects) -> Image.Image:
+    img = Image.new("RGB", (CANVAS, CANVAS), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    for shape, color, size, position in objects:
+        _draw(draw, shape, COLORS[color], POSITIONS[position], SIZES[size])
+    return img
+
+
+def _caption(objects) -> str:
+    parts = []
+    for shape, color, size, position in objects:
+        where = f"in the {position}" if position == "center" else (
+            f"on the {position}" if position in ("left", "right") else f"at the {position}")
+        parts.append(f"a {size} {color} {shape} {where}")
+    return " and ".join(parts)
+
+
+def _scenes(rng: random.Random, count: int):
+    """Distinct scene descriptions: one shape anywhere, or two shapes left and right."""
+    singles = [((s, c, z, p),) for s in SHAPES for c in COLORS for z in SIZES for p in POSITIONS]
+    pairs = [((s1, c1, "small", "left"), (s2, c2, "small", "right"))
+             for s1 in SHAPES for s2 in SHAPES for c1 in COLORS for c2 in COLORS if c1 != c2]
+    pool = rng.sample(singles, count // 2) + rng.sample(pairs, count - count // 2)
+    rng.shuffle(pool)
+    return pool
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=9)
+    return buf.getvalue()
+
+
+def _jpeg_roundtrip(img: Image.Image) -> Image.Image:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=85)
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+def _brighter(img: Image.Image, delta: int) -> Image.Image:
+    return img.point(lambda v: min(255, v + delta))
+
+
+def _clip(shape: str, color: str, direction: str, frames: int) -> list[Image.Image]:
+    start, end = {"right": ((20, 56), (92, 56)), "left": ((92, 56), (20, 56)),
+                  "down": ((56, 20), (56, 92)), "up": ((56, 92), (56, 20))}[direction]
+    out = []
+    for i in range(frames):
+        x = round(start[0] + (end[0] - start[0]) * i / (frames - 1))
+        y = round(start[1] + (end[1] - start[1]) * i / (frames - 1))
+        img = Image.new("RGB", (CANVAS, CANVAS), (255, 255, 255))
+        _draw(ImageDraw.Draw(img), shape, COLORS[color], (x, y), 16)
+        out.append(img)
+    return out
+
+
+def _gif(frames: list[Image.Image]) -> bytes:
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100,
+                   loop=0)
+    return buf.getvalue()
+
+
+def _same_signature(a, b, cfg) -> bool:
+    """The dedup rule (dedup.py) on two perceptual signatures."""
+    color = int(abs(a[1].astype(int) - b[1].astype(int)).max())
+    return (a[0] ^ b[0]).bit_count() <= cfg.phash_max_distance and color <= cfg.color_max_difference
+
+
+def _same_picture(a: Image.Image, b: Image.Image, cfg) -> bool:
+    return _same_signature(perceptual_signature(a), perceptual_signature(b), cfg)
+
+
+# ---------------------------------------------------------------- writer
+
+class Sample:
+    """Collects files and the planted truth."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.planted: dict[str, list] = {k: [] for k in (
+            "distinct_text", "exact_duplicates", "near_duplicates", "junk", "quarantine",
+            "image_duplicates", "video_duplicates", "filtered_images", "special_text")}
+
+    def write(self, rel: str, data: bytes | str) -> None:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def _jsonl(records: list) -> bytes:
+    """records: dicts (JSON-encoded) or raw bytes lines (written as they are)."""
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode("utf-8")) + b"\n"
+                    for r in records)
+
+
+def build_text(sample: Sample, rng: random.Random, cfg: DataConfig) -> None:
+    used: set[str] = set()
+    ngram = cfg.dedup.ngram
+    towns = [town_document(rng, used) for _ in range(560)]
+    files: list[list] = [[], [], []]
+    ids: list[list[str]] = [[], [], []]
+
+    def add(file: int, record) -> str:
+        files[file].append(record)
+        rid = f"web/web_{file:03d}.jsonl#{len(files[file]) - 1}"
+        ids[file].append(rid)
+        return rid
+
+    originals = []
+    for i, text in enumerate(towns):
+        rid = add(i % 2, {"id": f"town-{i}", "text": text})
+        sample.planted["distinct_text"].append(rid)
+        originals.append((rid, text))
+    # later file: exact duplicates (case / whitespace variants), near duplicates, junk, bad records
+    for k, (rid, text) in enumerate(rng.sample(originals, 40)):
+        variant = [text, text.lower(), "  " + text.replace(" ", "   ") + "\n"][k % 3]
+        dup = add(2, {"id": f"copy-{k}", "text": variant})
+        sample.planted["exact_duplicates"].append({"id": dup, "of": rid})
+    for k, (rid, text) in enumerate(rng.sample(originals, 60)):
+        near, j = _near_duplicate(rng, text, ngram)
+        dup = add(2, {"id": f"near-{k}", "text": near})
+        sample.planted["near_duplicates"].append({"id": dup, "of": rid, "jaccard": round(j, 4)})
+    for k, (text, stage) in enumerate(_junk(rng)):
+        sample.planted["junk"].append({"id": add(2, {"id": f"junk-{k}", "text": text}),
+                                       "stage": stage})
+    special = ("Web pages sometimes contain the literal tag <image> or <video> inside the text. "
+               "Such strings are ordinary words for the tokenizer and must never become "
+               "placeholders for pictures. The same holds for <eod> and <pad>, which only the "
+               "pipeline itself may insert between documents when it packs them into rows.")
+    sample.planted["special_text"].append(add(2, {"id": "special", "text": special}))
+    bad = [
+        (b'{"id": "broken", "text": "this line never ends', "malformed_json"),
+        (b'[1, 2, 3]', "malformed_json"),
+        (b'{"id": "latin1", "text": "caf\xe9 cr\xe8me br\xfbl\xe9e"}', "non_utf8"),
+        (b'{"id": "surrogate", "text": "lone \\ud800 surrogate"}', "non_utf8"),
+        (b'{"id": "empty", "text": ""}', "empty_document"),
+        (b'{"id": "blank", "text": "   \\n  "}', "empty_document"),
+        (b'{"id": "notext", "body": "the text is under another key"}', "missing_text"),
+        (b'{"id": "number", "text": 42}', "missing_text"),
+    ]
+    for raw, reason in bad:
+        sample.planted["quarantine"].append({"id": add(2, raw), "reason": reason})
+    for f in range(3):
+        sample.write(f"text/web/web_{f:03d}.jsonl", _jsonl(files[f]))
+    # knowledge: parquet, with one exact copy of a web document (the web copy is kept)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    animals = [animal_document(rng, used) for _ in range(150)]
+    texts: list[str | None] = list(animals)
+    for rid, text in rng.sample(originals, 3):
+        texts.append(text)
+        sample.planted["exact_duplicates"].append(
+            {"id": f"knowledge/knowledge_000.parquet#{len(texts) - 1}", "of": rid})
+    texts += [None, ""]
+    for i, reason in ((len(texts) - 2, "missing_text"), (len(texts) - 1, "empty_document")):
+        sample.planted["quarantine"].append({"id": f"knowledge/knowledge_000.parquet#{i}",
+                                             "reason": reason})
+    sample.planted["distinct_text"] += [f"knowledge/knowledge_000.parquet#{i}"
+                                        for i in range(len(animals))]
+    table = pa.table({"id": [f"animal-{i}" for i in range(len(texts))], "text": texts})
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    sample.write("text/knowledge/knowledge_000.parquet", buf.getvalue())
+
+
+def build_images(sample: Sample, rng: random.Random, cfg: DataConfig) -> None:
+    scenes = _scenes(rng, 360)
+    pictures = [_scene(s) for s in scenes]
+    signatures = [perceptual_signature(p) for p in pictures]
+    for i in range(len(pictures)):  # the planted truth: distinct scenes are not duplicates
+        for j in range(i):
+            assert not _same_signature(signatures[i], signatures[j], cfg.dedup), \
+                (scenes[i], scenes[j])
+    wds = [[], []]
+    wds_ids = []
+    for i, (scene, img) in enumerate(zip(scenes[:260], pictures[:260])):
+        key = f"scene{i:04d}"
+        wds[i % 2] += [(f"{key}.png", _png(img)), (f"{key}.txt", _caption(scene).encode())]
+        wds_ids.append(f"shapes/shapes_{i % 2:03d}.tar#{key}")
+    # planted: near copies (JPEG, brighter) and an exact copy under other keys and captions
+    for k, (i, make) in enumerate([(3, _jpeg_roundtrip), (8, lambda im: _brighter(im, 8)),
+                                   (13, lambda im: im.copy())]):
+        img = make(pictures[i])
+        assert _same_picture(img, pictures[i], cfg.dedup)
+        key = f"copy{k:04d}"
+        wds[1] += [(f"{key}.png", _png(img)), (f"{key}.txt", b"a picture of some shapes")]
+        sample.planted["image_duplicates"].append({"id": f"shapes/shapes_001.tar#{key}",
+                                                   "of": wds_ids[i]})
+    # planted bad samples and geometry junk
+    truncated = _png(pictures[0])[:200]
+    wds[0] += [("trunc0000.png", truncated), ("trunc0000.txt", b"a truncated picture"),
+               ("nocap0000.png", _png(pictures[1])),
+               ("noimg0000.txt", b"a caption without a picture"),
+               ("garbage0000.png", b"this is not a png file at all"),
+               ("garbage0000.txt", b"garbage")]
+    for key, reason in (("trunc0000", "undecodable_image"), ("nocap0000", "missing_caption"),
+                        ("noimg0000", "missing_image"), ("garbage0000", "undecodable_image")):
+        sample.planted["quarantine"].append({"id": f"shapes/shapes_000.tar#{key}",
+                                             "reason": reason})
+    small = Image.new("RGB", (20, 20), (255, 0, 0))
+    wide = _scene([("circle", "red", "small", "left")]).resize((560, 112))
+    wds[0] += [("tiny0000.png", _png(small)), ("tiny0000.txt", b"a tiny red square"),
+               ("wide0000.png", _png(wide)), ("wide0000.txt", b"a very wide picture")]
+    sample.planted["filtered_images"] += [
+        {"id": "shapes/shapes_000.tar#tiny0000", "reason": "image_too_small"},
+        {"id": "shapes/shapes_000.tar#wide0000", "reason": "image_aspect_ratio"}]
+    for f in range(2):
+        buf = io.BytesIO()
+        _tar_to(buf, wds[f])
+        sample.write(f"images/wds/shapes_{f:03d}.tar", buf.getvalue())
+    # a shard cut in the middle of its third sample's picture
+    broken = []
+    for i in range(3):
+        broken += [(f"late{i:04d}.png", _png(pictures[260 + i])),
+                   (f"late{i:04d}.txt", _caption(scenes[260 + i]).encode())]
+    buf = io.BytesIO()
+    _tar_to(buf, broken)
+    third_picture = sum(512 + -(-len(data) // 512) * 512 for _, data in broken[:4]) + 512
+    sample.write("images/wds/shapes_002.tar", buf.getvalue()[:third_picture + 100])
+    sample.planted["quarantine"].append({"id": "shapes/shapes_002.tar#late0002+rest",
+                                         "reason": "unreadable_file"})
+    # image folder
+    for i in range(263, 360):
+        sample.write(f"images/folder/scene{i:04d}.png", _png(pictures[i]))
+        sample.write(f"images/folder/scene{i:04d}.txt", _caption(scenes[i]))
+    sample.write("images/folder/trunc.png", _png(pictures[0])[:150])
+    sample.write("images/folder/trunc.txt", "a truncated picture")
+    sample.write("images/folder/zero.png", b"")
+    sample.write("images/folder/zero.txt", "an empty file")
+    sample.write("images/folder/nocaption.png", _png(pictures[2]))
+    for name, reason in (("trunc.png", "undecodable_image"), ("zero.png", "undecodable_image"),
+                         ("nocaption.png", "missing_caption")):
+        sample.planted["quarantine"].append({"id": f"shapes_folder/{name}#0", "reason": reason})
+    # a copy of a wds scene in the folder: the wds copy (earlier source) is kept
+    sample.write("images/folder/again.png", _png(pictures[20]))
+    sample.write("images/folder/again.txt", _caption(scenes[20]))
+    sample.planted["image_duplicates"].append({"id": "shapes_folder/again.png#0",
+                                               "of": wds_ids[20]})
+
+
+def _tar_to(buf: io.BytesIO, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(data))
+
+
+def build_videos(sample: Sample, rng: random.Random) -> None:
+    clips = [(s, c, d) for s in SHAPES for c in COLORS for d in ("right", "left", "down", "up")]
+    rng.shuffle(clips)
+    for i, (shape, color, direction) in enumerate(clips[:24]):
+        folder = f"video/frames/clip{i:03d}"
+        for f, img in enumerate(_clip(shape, color, direction, 6)):
+            sample.write(f"{folder}/frame{f:02d}.png", _png(img))
+        sample.write(f"{folder}/caption.txt", f"a {color} {shape} moves {direction}")
+    for i, (shape, color, direction) in enumerate(clips[24:48]):
+        sample.write(f"video/gif/clip{i:03d}.gif", _gif(_clip(shape, color, direction, 6)))
+        sample.write(f"video/gif/clip{i:03d}.txt", f"a {color} {shape} moves {direction}")
+    # the first frame-folder clip again as a GIF: the frame-folder copy (earlier source) is kept
+    shape, color, direction = clips[0]
+    sample.write("video/gif/again.gif", _gif(_clip(shape, color, direction, 6)))
+    sample.write("video/gif/again.txt", f"the {color} {shape} again")
+    sample.planted["video_duplicates"].append({"id": "motion_gif/again.gif#0",
+                                               "of": "motion/clip000/caption.txt#0"})
+    sample.write("video/gif/broken.gif", _gif(_clip("circle", "red", "up", 6))[:100])
+    sample.write("video/gif/broken.txt", "a broken clip")
+    sample.write("video/frames/bad/frame00.png", b"\x89PNG\r\n\x1a\n not really")
+    sample.write("video/frames/bad/caption.txt", "a clip whose frame does not decode")
+    sample.write("video/frames/empty/caption.txt", "a clip without frames")
+    sample.planted["quarantine"] += [
+        {"id": "motion_gif/broken.gif#0", "reason": "undecodable_image"},
+        {"id": "motion/bad/caption.txt#0", "reason": "undecodable_image"},
+        {"id": "motion/empty/caption.txt#0", "reason": "missing_image"}]
+
+
+def make_sample(root: Path = SAMPLE_DIR) -> dict:
+    cfg = DataConfig()
+    if root.exists():
+        shutil.rmtree(root)
+    sample = Sample(root)
+    rng = random.Random(SEED)
+    build_text(sample, rng, cfg)
+    build_images(sample, rng, cfg)
+    build_videos(sample, rng)
+    sample.write("planted.json", json.dumps(sample.planted, indent=1, sort_keys=True) + "\n")
+    return sample.planted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=SAMPLE_DIR)
+    args = parser.parse_args()
+    planted = make_sample(args.out)
+    size = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
+    print(f"wrote {args.out} ({size / 1e6:.2f} MB): "
+          + ", ".join(f"{k}={len(v)}" for k, v in planted.items()))
+
+
+if __name__ == "__main__":
+    main()

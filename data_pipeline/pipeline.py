@@ -1,0 +1,148 @@
+"""The curation run as four datatrove stages, on the local executor or on Slurm:
+
+    curate    (tasks)  read -> decode media -> quality filters -> resize media -> dedup signatures
+                       -> curated JSONL
+    global    (1 task) dedup clusters over all signatures -> tokenizer (train or load)
+    tokenize  (tasks)  curated JSONL -> drop duplicates -> rephrase hook -> tokens -> shards
+    finalize  (1 task) summary, quarantine, manifest
+
+Stages hand over through files under output_dir, so each stage can be a Slurm job array that
+depends on the previous one. Output layout: ledger/, counts/, work/, logs/, shards/,
+tokenizer.json, summary.json, quarantine.jsonl, manifest.json.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.base import PipelineStep
+
+from model.config import ConfigError
+
+from .config import DataConfig, as_data_config
+from .dedup import DedupStep, DropDuplicates, SignatureStep
+from .filters import quality_filters
+from .intermediate import CuratedReader, CuratedWriter
+from .manifest import FinalizeStep, fingerprint, manifest_path, timings_path
+from .media import DecodeMedia, NormalizeMedia
+from .readers import build_reader
+from .records import write_json
+from .rephrase import Rephrase
+from .tokenize_shards import TokenizerStep, TokenizeToShards
+
+RUN_OUTPUTS = ("ledger", "counts", "work", "logs", "shards", "tokenizer.json", "summary.json",
+               "quarantine.jsonl", "manifest.json")
+
+
+def stages(cfg: DataConfig, out: str) -> list[tuple[str, list[PipelineStep], int]]:
+    """(name, pipeline, tasks) in run order."""
+    work = f"{out}/work"
+    curate = [build_reader(s, i, out, cfg.progress) for i, s in enumerate(cfg.sources)]
+    curate += [DecodeMedia(cfg.image, out), *quality_filters(cfg, out), NormalizeMedia(cfg.image),
+               SignatureStep(cfg.dedup, work), CuratedWriter(work)]
+    tokenize: list[PipelineStep] = [CuratedReader(work, cfg.progress), DropDuplicates(out, work)]
+    if cfg.rephrase.enabled:
+        tokenize.append(Rephrase(cfg.rephrase))
+    tokenize.append(TokenizeToShards(cfg, out))
+    tasks = cfg.executor.tasks
+    return [
+        ("curate", curate, tasks),
+        ("global", [DedupStep(cfg.dedup, work, cfg.progress),
+                    TokenizerStep(cfg.tokenizer, out, work, cfg.progress)], 1),
+        ("tokenize", tokenize, tasks),
+        ("finalize", [FinalizeStep(cfg, out)], 1),
+    ]
+
+
+def _local(cfg: DataConfig, name: str, pipeline, tasks: int, out: str) -> LocalPipelineExecutor:
+    workers = tasks if cfg.executor.workers == -1 else min(cfg.executor.workers, tasks)
+    return LocalPipelineExecutor(pipeline, tasks=tasks, workers=workers,
+                                 logging_dir=f"{out}/logs/{name}", skip_completed=cfg.resume,
+                                 start_method=cfg.executor.start_method)
+
+
+def _slurm(cfg: DataConfig, name: str, pipeline, tasks: int, out: str, depends):
+    from datatrove.executor import SlurmPipelineExecutor
+
+    e = cfg.executor
+    return SlurmPipelineExecutor(
+        pipeline, tasks=tasks, time=e.time, partition=e.partition, cpus_per_task=e.cpus_per_task,
+        mem_per_cpu_gb=e.mem_per_cpu_gb, workers=e.workers, job_name=f"{e.job_name}-{name}",
+        venv_path=e.venv_path, sbatch_args=dict(e.sbatch_args) or None, depends=depends,
+        logging_dir=f"{out}/logs/{name}", slurm_logs_folder=f"{out}/logs/slurm/{name}",
+        skip_completed=cfg.resume)
+
+
+def _clear(out: Path) -> None:
+    for name in RUN_OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def run_pipeline(cfg) -> dict:
+    """Runs the configured curation (a DataConfig, a DictConfig or a dict). Local: returns the
+    summary (also in <output_dir>/summary.json); the output does not depend on the number of
+    workers. Slurm: submits the four stages as dependent job arrays and returns
+    {"submitted": job ids}; the finalize job writes the summary.
+
+    With executor.workers > 1 and the forkserver or spawn start method, worker processes import
+    the caller's main module: a script calling this needs the `if __name__ == "__main__":`
+    guard (as for any multiprocessing pool)."""
+    cfg = as_data_config(cfg)
+    out = Path(cfg.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not cfg.resume:
+        _clear(out)
+    if cfg.executor.kind == "slurm":
+        executor = None
+        for name, pipeline, tasks in stages(cfg, str(out)):
+            executor = _slurm(cfg, name, pipeline, tasks, str(out), executor)
+        executor.run()
+        jobs, e = [], executor
+        while e is not None:
+            jobs.insert(0, e.job_id)
+            e = e.depends
+        return {"submitted": jobs}
+    timings: dict[str, dict] = {}  # the finalize stage puts them into the summary
+    for name, pipeline, tasks in stages(cfg, str(out)):
+        if name == "finalize":
+            write_json(timings_path(out), timings)
+        t0 = time.perf_counter()
+        _local(cfg, name, pipeline, tasks, str(out)).run()
+        timings[name] = {"wall_s": time.perf_counter() - t0}
+    return json.loads((out / "summary.json").read_text())
+
+
+def is_prepared(cfg: DataConfig) -> bool:
+    path = manifest_path(Path(cfg.output_dir).resolve())
+    if not path.exists():
+        return False
+    manifest = json.loads(path.read_text())
+    return manifest.get("complete") is True and manifest.get("fingerprint") == fingerprint(cfg)
+
+
+def ensure_prepared(data_cfg) -> Path:
+    """The manifest of `data_cfg`'s output, running the pipeline first (locally) when there is
+    no complete manifest made from the same config. Safe to call from several processes at
+    once: one runs the pipeline, the others wait for it."""
+    cfg = as_data_config(data_cfg)
+    out = Path(cfg.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_prepared(cfg):
+            if cfg.executor.kind != "local":
+                raise ConfigError(f"data.executor.kind={cfg.executor.kind!r}: the data in {out} "
+                                  "is not prepared; run k3-data with this config first")
+            print(f"k3: preparing data {cfg.name!r} into {out}", file=sys.stderr)
+            run_pipeline(cfg)
+    return manifest_path(out)

@@ -1,0 +1,135 @@
+"""The tokenize stage: tokenizer training (one task) and tokenization into shards (every task).
+
+Token layout of a document:
+    text   <text tokens> <eod>
+    image  <image> x n  <caption tokens> <eod>
+    video  <video> <image> x n  <caption tokens> <eod>
+with n = the merged-token count of the picture's patch grid (imaging.placeholder_count).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+from datatrove.utils.batching import batched
+
+from .config import DataConfig, TokenizerConfig, resolve_path
+from .dedup import load_duplicates
+from .imaging import placeholder_count
+from .longdoc import generate_long_document
+from .records import LedgerWriter
+from .shards import ShardWriter
+from .tokenizer import EOD_ID, IMAGE_ID, VIDEO_ID, load_tokenizer, train_tokenizer
+
+SYNTHETIC_SOURCE = "synthetic_long"
+ENCODE_BATCH = 256
+
+
+def tokenizer_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "tokenizer.json"
+
+
+def kept_texts(work_dir: str) -> Iterator[str]:
+    """Texts of the curated documents that dedup keeps, in a fixed order."""
+    dups = load_duplicates(work_dir)
+    for path in sorted((Path(work_dir) / "curated").glob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                obj = json.loads(line)
+                if obj["id"] not in dups:
+                    yield obj["text"]
+
+
+class TokenizerStep(PipelineStep):
+    """Trains the byte-level BPE on the kept corpus, or copies the configured tokenizer file."""
+
+    name = "tokenizer"
+    type = "TOKENIZE"
+
+    def __init__(self, cfg: TokenizerConfig, output_dir: str, work_dir: str, progress: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.output_dir = output_dir
+        self.work_dir = work_dir
+        self.progress = progress
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        if data:
+            yield from data
+        target = tokenizer_path(self.output_dir)
+        with self.track_time():
+            if self.cfg.path is not None:
+                load_tokenizer(resolve_path(self.cfg.path))  # checks the special-token ids
+                shutil.copyfile(resolve_path(self.cfg.path), target)
+            else:
+                tok = train_tokenizer(kept_texts(self.work_dir), self.cfg.vocab_size,
+                                      self.cfg.min_frequency, self.progress)
+                tok.save(str(target))
+
+
+def document_tokens(doc: Document, text_ids: list[int], cfg: DataConfig) -> tuple[list[int], int]:
+    """(token ids, offset of the first image placeholder)."""
+    modality = doc.metadata["modality"]
+    if modality == "text":
+        return text_ids + [EOD_ID], 0
+    t, h, w = doc.metadata["grid_thw"]
+    n = placeholder_count(t, h, w, cfg.image.merge_size, cfg.image.frames_per_chunk)
+    prefix = [VIDEO_ID] if modality == "video" else []
+    return prefix + [IMAGE_ID] * n + text_ids + [EOD_ID], len(prefix)
+
+
+class TokenizeToShards(PipelineStep):
+    name = "tokenize to shards"
+    type = "TOKENIZE"
+
+    def __init__(self, cfg: DataConfig, output_dir: str):
+        super().__init__()
+        self.cfg = cfg
+        self.output_dir = output_dir
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        tok = load_tokenizer(tokenizer_path(self.output_dir))
+        vocab = tok.get_vocab_size()
+        writers: dict[str, ShardWriter] = {}
+
+        def writer(source: str) -> ShardWriter:
+            if source not in writers:
+                prefix = Path(self.output_dir) / "shards" / source / f"{rank:05d}"
+                writers[source] = ShardWriter(prefix, vocab)
+            return writers[source]
+
+        seq_len = self.cfg.pack.seq_len
+        with LedgerWriter(self.output_dir, "tokenize") as ledger:
+            for batch in batched(data, ENCODE_BATCH):
+                written = []
+                with self.track_time("batch"):
+                    encoded = tok.encode_batch([d.text for d in batch], add_special_tokens=False)
+                    for doc, enc in zip(batch, encoded):
+                        ids, offset = document_tokens(doc, enc.ids, self.cfg)
+                        if doc.metadata["modality"] != "text" and len(ids) > seq_len:
+                            doc.metadata.update(k3_reason="vision_doc_exceeds_seq_len",
+                                                k3_detail=f"{len(ids)} tokens > {seq_len}")
+                            ledger.write(doc, rank)
+                            continue
+                        writer(doc.metadata["source"]).add(
+                            doc.id, doc.metadata["origin"], doc.metadata["modality"],
+                            np.asarray(ids), offset, doc.metadata.get("grid_thw"),
+                            [m.media_bytes for m in doc.media], doc.text)
+                        self.stat_update("tokens", value=len(ids))
+                        written.append(doc)
+                yield from written
+        long_docs = self.cfg.long_docs
+        if long_docs.num_docs:
+            for i in range(rank, long_docs.num_docs, world_size):
+                sample = generate_long_document(tok, seq_len, long_docs.seed * 100003 + i,
+                                                long_docs.hops, long_docs.distractor_chains)
+                writer(SYNTHETIC_SOURCE).add(f"{SYNTHETIC_SOURCE}/{i}", "synthetic", "text",
+                                             np.asarray(sample.tokens))
+        for w in writers.values():
+            w.finalize(seq_len, self.cfg.pack.max_docs_per_row)
