@@ -77,8 +77,13 @@ def _run(cfg: DictConfig) -> int:
         print(f"k3-data: config error: {e}", file=sys.stderr)
         return 2
     if "submitted" in summary:
-        print(f"k3-data: submitted Slurm jobs {summary['submitted']}; the last one writes "
-              f"{Path(app.data.output_dir).resolve()}/summary.json")
+        out = Path(app.data.output_dir).resolve()
+        if all(job == -1 for job in summary["submitted"]):
+            print(f"k3-data: every stage in {out} had finished; nothing submitted")
+            return 0
+        print(f"k3-data: submitted Slurm jobs {' '.join(map(str, summary['submitted']))} "
+              f"(curate, global, tokenize, finalize); the last one writes {out}/summary.json "
+              f"and {out}/manifest.json. If a job fails, rerun with data.resume=true.")
         return 0
     print(format_summary(summary))
     print(f"summary: {Path(app.data.output_dir).resolve() / 'summary.json'}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.config import ConfigError
+from model.config import ConfigError, VisionConfig
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 BUNDLED = "bundled://"
@@ -153,6 +153,12 @@ class ImageConfig:
     def unit(self) -> int:
         """Side lengths are multiples of this so that the 2x2 merge tiles the patch grid."""
         return self.patch_size * self.merge_size
+
+    @property
+    def vision(self) -> VisionConfig:
+        """The encoder settings that size a picture's placeholders and patches."""
+        return VisionConfig(patch_size=self.patch_size, merge_size=self.merge_size,
+                            time_table_size=self.frames_per_chunk)
 
     def validate(self, path: str) -> None:
         for name in ("min_side", "max_raw_pixels", "patch_size", "merge_size", "frames_per_chunk",

@@ -1,16 +1,13 @@
-"""Pixels: decoding with a reason on failure, resizing onto the patch grid, frame sampling,
-perceptual signatures for dedup, and patch vectors for the loader.
-
-Placeholder counts follow MoonViT-V2 (SPEC 6): an image of h x w patches gives (h/m)*(w/m)
-merged tokens; a video of t frames gives ceil(t/frames_per_chunk) chunks of that many.
-model/vision/layout.py's vision_token_count computes the same number from grid_thw; this copy
-keeps the pipeline free of model imports (tests/test_data_units.py checks the two agree).
+"""Pixels: decoding with a reason on failure, resizing onto the patch grid, frame sampling and
+perceptual signatures for dedup. Placeholder counts and patch vectors are the model's own
+(model.vision: vision_token_count, patchify_video).
 """
 
 from __future__ import annotations
 
 import io
 import math
+import re
 
 import numpy as np
 from PIL import Image, ImageSequence
@@ -29,12 +26,6 @@ class MediaError(ValueError):
         self.detail = detail
 
 
-def placeholder_count(frames: int, rows: int, cols: int, merge_size: int,
-                      frames_per_chunk: int) -> int:
-    chunks = -(-frames // frames_per_chunk)
-    return chunks * (rows // merge_size) * (cols // merge_size)
-
-
 def decode_frames(data: bytes, max_frames: int | None = None) -> list[Image.Image]:
     """All frames of an image or animated image (GIF, WebP, APNG) as RGB; at most `max_frames`,
     sampled uniformly over the clip."""
@@ -44,7 +35,9 @@ def decode_frames(data: bytes, max_frames: int | None = None) -> list[Image.Imag
         with Image.open(io.BytesIO(data)) as img:
             frames = [f.convert("RGB") for f in ImageSequence.Iterator(img)]
     except Exception as e:  # Pillow raises many types for broken files
-        raise MediaError("undecodable_image", f"{type(e).__name__}: {e}") from None
+        # without the buffer's address, so that reruns write the same quarantine file
+        message = re.sub(r" at 0x[0-9a-fA-F]+", "", str(e))
+        raise MediaError("undecodable_image", f"{type(e).__name__}: {message}") from None
     if max_frames is not None:
         frames = [frames[i] for i in sample_frame_indices(len(frames), max_frames)]
     return frames
@@ -109,11 +102,3 @@ def perceptual_signature(img: Image.Image) -> tuple[int, np.ndarray]:
     colors = np.asarray(cells, dtype=np.uint8).ravel()
     return phash, colors
 
-
-def frames_to_patches(frames: np.ndarray, patch_size: int) -> np.ndarray:
-    """uint8 frames [T, H, W, 3] -> float32 patches [T*h*w, 3*p*p] scaled to [-1, 1]; patches
-    row-major per frame, each patch channel-major (c, y, x) as model/vision/patches.py."""
-    t, height, width, c = frames.shape
-    h, w = height // patch_size, width // patch_size
-    x = frames.reshape(t, h, patch_size, w, patch_size, c).transpose(0, 1, 3, 5, 2, 4)
-    return (x.reshape(t * h * w, c * patch_size * patch_size).astype(np.float32) / 127.5) - 1.0

@@ -32,10 +32,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from model.batch import K3Batch, VisionInput
-from model.config import ConfigError
+from model.config import ConfigError, VisionConfig
+from model.vision import patchify_video, vision_token_count
 
 from .config import StageConfig
-from .imaging import frames_to_patches, placeholder_count
 from .packing import row_offsets
 from .shards import ShardReader
 from .tokenizer import IMAGE_ID, PAD_ID
@@ -51,6 +51,13 @@ def apportion(weights: np.ndarray, total: int) -> np.ndarray:
     rest = np.argsort(-(share - counts), kind="stable")[:total - counts.sum()]
     counts[rest] += 1
     return counts
+
+
+def frame_patches(frames: np.ndarray, patch_size: int) -> torch.Tensor:
+    """uint8 frames [T, H, W, 3] -> float32 patch vectors [T*h*w, 3*p*p] scaled to [-1, 1], in
+    the encoder's patch layout."""
+    pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return patchify_video(pixels, patch_size)
 
 
 class BatchSource(Dataset):
@@ -73,8 +80,8 @@ class BatchSource(Dataset):
         self.fingerprint = manifest["fingerprint"]
         self.seq_len, self.batch, self.slots = seq_len, micro_batch_size, max_docs_per_row
         self.rank, self.world, self.seed = dp_rank, dp_world_size, seed
-        self.patch_size, self.merge_size, self.frames_per_chunk = (patch_size, merge_size,
-                                                                   frames_per_chunk)
+        self.vision = VisionConfig(patch_size=patch_size, merge_size=merge_size,
+                                   time_table_size=frames_per_chunk)
         self.readers: list[ShardReader] = []
         self.plans: list[np.ndarray] = []
         row_shard, row_start, row_end, source_rows, weights = [], [], [], [], []
@@ -167,17 +174,14 @@ class BatchSource(Dataset):
         positions = np.flatnonzero(tokens.reshape(-1) == IMAGE_ID)
         if not items:
             return None
-        patches, grids, expected = [], [], 0
-        for reader, item in items:
-            t, h, w = (int(v) for v in item[2:5])
-            patches.append(frames_to_patches(reader.frame_pixels(item), self.patch_size))
-            grids.append((t, h, w))
-            expected += placeholder_count(t, h, w, self.merge_size, self.frames_per_chunk)
+        patches = [frame_patches(reader.frame_pixels(item), self.vision.patch_size)
+                   for reader, item in items]
+        grids = [tuple(int(v) for v in item[2:5]) for _, item in items]
+        expected = sum(vision_token_count(grids, self.vision))
         if expected != len(positions):
             raise ValueError(f"{len(positions)} <image> tokens in the batch, but its pictures "
                              f"need {expected}")
-        return VisionInput(torch.from_numpy(np.concatenate(patches)),
-                           torch.tensor(grids, dtype=torch.long),
+        return VisionInput(torch.cat(patches), torch.tensor(grids, dtype=torch.long),
                            torch.from_numpy(positions.astype(np.int64)))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -36,6 +37,7 @@ from .records import write_json
 from .rephrase import Rephrase
 from .tokenize_shards import TokenizerStep, TokenizeToShards
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 RUN_OUTPUTS = ("ledger", "counts", "work", "logs", "shards", "tokenizer.json", "summary.json",
                "quarantine.jsonl", "manifest.json")
 
@@ -67,6 +69,14 @@ def _local(cfg: DataConfig, name: str, pipeline, tasks: int, out: str) -> LocalP
                                  start_method=cfg.executor.start_method)
 
 
+def _job_setup(venv_path: str | None) -> str:
+    """The shell line each Slurm job runs first: the venv, then this checkout on PYTHONPATH, so
+    that the pickled pipeline's classes import in the job even where the project is not
+    installed into the venv (e.g. `python -m data_pipeline.cli` from a checkout)."""
+    path = f"export PYTHONPATH={shlex.quote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}"
+    return f"source {shlex.quote(venv_path)} && {path}" if venv_path else path
+
+
 def _slurm(cfg: DataConfig, name: str, pipeline, tasks: int, out: str, depends):
     from datatrove.executor import SlurmPipelineExecutor
 
@@ -74,9 +84,9 @@ def _slurm(cfg: DataConfig, name: str, pipeline, tasks: int, out: str, depends):
     return SlurmPipelineExecutor(
         pipeline, tasks=tasks, time=e.time, partition=e.partition, cpus_per_task=e.cpus_per_task,
         mem_per_cpu_gb=e.mem_per_cpu_gb, workers=e.workers, job_name=f"{e.job_name}-{name}",
-        venv_path=e.venv_path, sbatch_args=dict(e.sbatch_args) or None, depends=depends,
-        logging_dir=f"{out}/logs/{name}", slurm_logs_folder=f"{out}/logs/slurm/{name}",
-        skip_completed=cfg.resume)
+        env_command=_job_setup(e.venv_path), sbatch_args=dict(e.sbatch_args) or None,
+        depends=depends, logging_dir=f"{out}/logs/{name}",
+        slurm_logs_folder=f"{out}/logs/slurm/{name}", skip_completed=cfg.resume)
 
 
 def _clear(out: Path) -> None:
@@ -91,8 +101,10 @@ def _clear(out: Path) -> None:
 def run_pipeline(cfg) -> dict:
     """Runs the configured curation (a DataConfig, a DictConfig or a dict). Local: returns the
     summary (also in <output_dir>/summary.json); the output does not depend on the number of
-    workers. Slurm: submits the four stages as dependent job arrays and returns
-    {"submitted": job ids}; the finalize job writes the summary.
+    workers. Slurm: submits the four stages as dependent job arrays and returns at once with
+    {"submitted": [job id of each stage, in run order]}; the finalize job writes summary.json and,
+    last, manifest.json with "complete": true. After a failed job, the same config with
+    resume=True resubmits only the tasks that did not finish (a finished stage's id is -1).
 
     With executor.workers > 1 and the forkserver or spawn start method, worker processes import
     the caller's main module: a script calling this needs the `if __name__ == "__main__":`
@@ -103,15 +115,12 @@ def run_pipeline(cfg) -> dict:
     if not cfg.resume:
         _clear(out)
     if cfg.executor.kind == "slurm":
-        executor = None
+        executors = []
         for name, pipeline, tasks in stages(cfg, str(out)):
-            executor = _slurm(cfg, name, pipeline, tasks, str(out), executor)
-        executor.run()
-        jobs, e = [], executor
-        while e is not None:
-            jobs.insert(0, e.job_id)
-            e = e.depends
-        return {"submitted": jobs}
+            executors.append(_slurm(cfg, name, pipeline, tasks, str(out),
+                                    executors[-1] if executors else None))
+        executors[-1].run()  # submits the chain; a stage with every task done gets job id -1
+        return {"submitted": [e.job_id for e in executors]}
     timings: dict[str, dict] = {}  # the finalize stage puts them into the summary
     for name, pipeline, tasks in stages(cfg, str(out)):
         if name == "finalize":

@@ -4,7 +4,7 @@ Token layout of a document:
     text   <text tokens> <eod>
     image  <image> x n  <caption tokens> <eod>
     video  <video> <image> x n  <caption tokens> <eod>
-with n = the merged-token count of the picture's patch grid (imaging.placeholder_count).
+with n = the merged-token count of the picture's patch grid (model.vision.vision_token_count).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.batching import batched
 
+from model.vision import vision_token_count
+
 from .config import DataConfig, TokenizerConfig, resolve_path
 from .dedup import load_duplicates
-from .imaging import placeholder_count
 from .longdoc import generate_long_document
 from .records import LedgerWriter
 from .shards import ShardWriter
@@ -78,8 +79,7 @@ def document_tokens(doc: Document, text_ids: list[int], cfg: DataConfig) -> tupl
     modality = doc.metadata["modality"]
     if modality == "text":
         return text_ids + [EOD_ID], 0
-    t, h, w = doc.metadata["grid_thw"]
-    n = placeholder_count(t, h, w, cfg.image.merge_size, cfg.image.frames_per_chunk)
+    (n,) = vision_token_count([doc.metadata["grid_thw"]], cfg.image.vision)
     prefix = [VIDEO_ID] if modality == "video" else []
     return prefix + [IMAGE_ID] * n + text_ids + [EOD_ID], len(prefix)
 

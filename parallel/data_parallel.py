@@ -12,13 +12,20 @@ import torch.distributed as dist
 from torch import nn
 
 
+def fill_missing_gradients(model: nn.Module) -> None:
+    """Zero gradients for parameters a step did not reach (e.g. the vision encoder on a text-only
+    batch): every parameter then takes part in the all-reduce and gets an optimizer update (and
+    optimizer state) every step, on one rank or many."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def allreduce_gradients(model: nn.Module, group=None, bucket_bytes: int = 64 << 20) -> None:
+    """Sums gradients over the group; call fill_missing_gradients first."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:  # a parameter unused on this rank still takes part in the sum
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
     bucket: list[torch.Tensor] = []
     size = 0
     for p in params:

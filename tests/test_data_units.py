@@ -21,6 +21,7 @@ from data_pipeline.config import (
     DataConfig,
     DedupConfig,
     ExecutorConfig,
+    ImageConfig,
     LongDocConfig,
     RephraseConfig,
     SourceConfig,
@@ -38,18 +39,13 @@ from data_pipeline.dedup import (
     words,
 )
 from data_pipeline.filters import ClassifierFilter
-from data_pipeline.imaging import (
-    frames_to_patches,
-    grid_size,
-    perceptual_signature,
-    placeholder_count,
-)
+from data_pipeline.imaging import MediaError, decode_frames, grid_size, perceptual_signature
+from data_pipeline.loader import frame_patches
 from data_pipeline.packing import pack_rows
 from data_pipeline.rephrase import Rephrase
 from data_pipeline.tokenizer import IMAGE_ID, SPECIAL_TOKENS, train_tokenizer
-from model.config import ConfigError, VisionConfig
+from model.config import ConfigError
 from model.vision.layout import vision_token_count
-from model.vision.patches import patchify_video
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -201,17 +197,37 @@ def test_grid_size_is_on_the_merge_grid_within_budget(size):
         assert (w, h) == size
 
 
-@pytest.mark.parametrize("grid", [(1, 8, 8), (6, 8, 8), (4, 4, 6), (9, 2, 2)])
-def test_placeholder_count_matches_the_vision_encoder(grid):
-    vision = VisionConfig(merge_size=2, time_table_size=4)
-    assert placeholder_count(*grid, 2, 4) == vision_token_count([grid], vision)[0]
+PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 
 
-def test_patch_vectors_match_the_encoders_patchify():
+@pytest.mark.parametrize("data", [b"not an image", PNG_HEADER + b"cut"])
+def test_undecodable_bytes_name_the_reason_without_a_memory_address(data):
+    with pytest.raises(MediaError) as error:
+        decode_frames(data)
+    assert error.value.reason == "undecodable_image"
+    assert "0x" not in error.value.detail  # the quarantine file is the same on every run
+
+
+@pytest.mark.parametrize("grid, count", [((1, 8, 8), 16), ((6, 8, 8), 32), ((4, 4, 6), 6),
+                                         ((9, 2, 2), 3)])
+def test_placeholder_count_follows_the_image_config(grid, count):
+    image = ImageConfig(merge_size=2, frames_per_chunk=4)  # ceil(t/4) chunks of (h/2)*(w/2)
+    assert vision_token_count([grid], image.vision) == [count]
+
+
+def test_frame_patches_cut_pixels_into_channel_major_patches_in_minus_one_to_one():
     frames = np.random.default_rng(0).integers(0, 256, (3, 56, 84, 3), dtype=np.uint8)
-    ours = frames_to_patches(frames, 14)
-    video = torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    assert torch.allclose(torch.from_numpy(ours), patchify_video(video, 14), atol=1e-6)
+    p = 14
+    patches = frame_patches(frames, p)
+    assert patches.dtype == torch.float32 and patches.shape == (3 * 4 * 6, 3 * p * p)
+    k = 0
+    for f in range(3):  # frames in order, patches row-major, each patch (c, y, x)
+        for i in range(4):
+            for j in range(6):
+                block = frames[f, i * p:(i + 1) * p, j * p:(j + 1) * p].transpose(2, 0, 1)
+                expected = block.reshape(-1).astype(np.float32) / 127.5 - 1.0
+                assert np.array_equal(patches[k].numpy(), expected), (f, i, j)
+                k += 1
 
 
 # ------------------------------------------------------------------ tokenizer

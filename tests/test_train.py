@@ -11,7 +11,16 @@ import time
 
 import pytest
 
-from tests.train_helpers import FAST, REPO, losses, read_metrics, run_train, train_cmd, train_env
+from tests.train_helpers import (
+    FAST,
+    REPO,
+    free_port,
+    losses,
+    read_metrics,
+    run_train,
+    train_cmd,
+    train_env,
+)
 from train.wandb_records import read_history, run_id
 
 pytestmark = pytest.mark.slow
@@ -92,11 +101,12 @@ def test_two_rank_data_parallel_matches_one_rank(tmp_path, sample_data_dir):
     run_train(one, sample_data_dir, *FAST, "steps=4", "checkpoint.every=0",
               "checkpoint.save_at_end=false")
     two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--master-port=0", "-m", "train.cli"] + train_cmd(two, sample_data_dir)[3:] + [
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                f"--master-port={free_port()}"]
+    cmd = launcher + train_cmd(two, sample_data_dir)[1:] + [
         *FAST, "steps=4", "checkpoint.every=0", "checkpoint.save_at_end=false"]
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True,
-                         timeout=600)
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]

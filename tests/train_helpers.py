@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,12 @@ def run_train(run_dir: Path, data_dir: Path, *overrides: str, timeout: float = 6
         raise AssertionError(f"k3-train failed ({out.returncode}):\n{out.stdout[-3000:]}\n"
                              f"{out.stderr[-3000:]}")
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,9 +1,11 @@
-"""Activation checkpointing applied from outside: each decoder sublayer (attention, MLP/MoE)
-keeps only its input and recomputes the rest in backward.
+"""Activation checkpointing and torch.compile applied from outside to each decoder sublayer
+(attention, MLP/MoE).
 
-Implemented by replacing the sublayers' `forward` on the instance, so parameter names (and so
-checkpoints and optimizer groups) are the same with and without it. The recomputation must not
-feed Quantile Balancing a second time: the recompute context pauses the layer's balancer.
+Both replace the sublayers' `forward` on the instance, so parameter names (and so checkpoints and
+optimizer groups) are the same with and without them. A checkpointed sublayer keeps only its
+input and recomputes the rest in backward; the recomputation runs under the same autocast
+(torch and Transformer Engine) as the forward, and must not feed Quantile Balancing a second
+time, so the recompute context pauses the layer's balancer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,12 +37,18 @@ def _paused(balancers):
             b.accumulating = True
 
 
-def _checkpointed(module: nn.Module) -> None:
+@contextlib.contextmanager
+def _recompute_context(balancers, autocast):
+    with _paused(balancers), autocast():
+        yield
+
+
+def _checkpointed(module: nn.Module, autocast) -> None:
     inner = module.forward
     balancers = _balancers(module)
 
     def contexts():
-        return contextlib.nullcontext(), _paused(balancers)
+        return contextlib.nullcontext(), _recompute_context(balancers, autocast)
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -48,11 +57,21 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = forward
 
 
-def apply_activation_checkpointing(model: K3Model) -> int:
-    """Checkpoints every decoder layer's attention and MLP; returns the number of sublayers."""
+def apply_activation_checkpointing(model: K3Model,
+                                   autocast=contextlib.nullcontext) -> int:
+    """Checkpoints every decoder layer's attention and MLP; returns the number of sublayers.
+    `autocast`: a callable giving the run's autocast context, re-entered for recomputation."""
     count = 0
     for layer in model.layers:
         for sub in (layer.attn, layer.mlp):
-            _checkpointed(sub)
+            _checkpointed(sub, autocast)
             count += 1
     return count
+
+
+def compile_sublayers(model: K3Model) -> None:
+    """torch.compile of every decoder sublayer (the AttnRes bookkeeping between them stays
+    eager: it is a few additions over Python lists)."""
+    for layer in model.layers:
+        for sub in (layer.attn, layer.mlp):
+            sub.forward = torch.compile(sub.forward)

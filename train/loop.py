@@ -13,8 +13,9 @@ import torch
 
 from model.batch import K3Batch
 from model.k3 import K3Model
-from parallel.data_parallel import allreduce_gradients
+from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
 
+from .activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 from .checkpoint import Checkpointer
 from .config import TrainConfig, validate_train_config
 from .data import build_loader
@@ -81,6 +82,10 @@ def train(cfg: TrainConfig) -> int:
 
     model = K3Model(cfg.model).to(env.device)
     precision = PrecisionPlan.build(cfg.precision, env.device, model, cfg.optim.qk_clip_tau)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model, precision.autocast)
+    if cfg.compile:
+        compile_sublayers(model)
     optimizers = build_optimizer(model, cfg.optim)
     if env.is_main:
         log.info("optimizer groups:\n%s", describe_groups(model, optimizers))
@@ -104,9 +109,10 @@ def train(cfg: TrainConfig) -> int:
     batches = iter(loader)
     nonfinite_in_a_row = 0
     exit_code = EXIT_DONE
-    log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s",
-             cfg.model.name, cfg.steps, dp_size, accum, cfg.stage.micro_batch_size,
-             cfg.stage.seq_len, precision.describe())
+    if env.is_main:
+        log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s",
+                 cfg.model.name, cfg.steps, dp_size, accum, cfg.stage.micro_batch_size,
+                 cfg.stage.seq_len, precision.describe())
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
@@ -115,6 +121,7 @@ def train(cfg: TrainConfig) -> int:
                        min_lr_ratio=cfg.optim.min_lr_ratio)
             set_lr(optimizers, lr)
             loss = forward_backward(model, [next(batches) for _ in range(accum)], env, precision)
+            fill_missing_gradients(model)
             allreduce_gradients(model)
             max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -154,7 +161,8 @@ def train(cfg: TrainConfig) -> int:
             final = step == cfg.steps and cfg.checkpoint.save_at_end
             if periodic or preempted or final:
                 path = ckpt.save(step, model, optimizers, {"loader": loader.state_dict()})
-                log.info("checkpoint %s", path)
+                if env.is_main:
+                    log.info("checkpoint %s", path)
             if preempted and step < cfg.steps:
                 log.warning("preemption signal received: checkpointed at step %d, exiting", step)
                 write_marker(run_dir / "PREEMPTED", step, env)
