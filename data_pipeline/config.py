@@ -329,6 +329,13 @@ class DataConfig:
     long_docs: LongDocConfig = field(default_factory=lambda: LongDocConfig(num_docs=8))
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
+    def check_sources_exist(self, path: str = "data") -> None:
+        """Every source folder is there (checked before a run reads anything)."""
+        for i, source in enumerate(self.sources):
+            if not Path(resolve_path(source.path)).is_dir():
+                _fail(f"{path}.sources[{i}].path", source.path,
+                      "must be an existing folder with the source's files")
+
     def validate(self, path: str = "data") -> DataConfig:
         if not self.sources:
             _fail(f"{path}.sources", self.sources, "must list at least one source")

@@ -110,6 +110,7 @@ def run_pipeline(cfg) -> dict:
     the caller's main module: a script calling this needs the `if __name__ == "__main__":`
     guard (as for any multiprocessing pool)."""
     cfg = as_data_config(cfg)
+    cfg.check_sources_exist()
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.resume:

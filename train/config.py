@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from data_pipeline.config import DataConfig, StageConfig
+from data_pipeline.pipeline import is_prepared
 from model.config import ConfigError, K3Config, k3_tiny
 
 __all__ = ["ConfigError", "TrainConfig", "validate_train_config"]
@@ -143,6 +144,8 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.model.validate("model")
     cfg.data.validate("data")
+    if not is_prepared(cfg.data):  # the run will read the raw sources first
+        cfg.data.check_sources_exist("data")
     cfg.stage.validate("stage")
     if cfg.steps <= 0:
         _fail("steps", cfg.steps, "must be > 0")

@@ -1,0 +1,1 @@
+"""The K3 architecture: pure PyTorch, single-device semantics (see README and SPEC)."""
