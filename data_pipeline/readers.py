@@ -266,11 +266,14 @@ def _read_sibling(reader: K3Reader, path: str) -> bytes | None:
         return f.read()
 
 
-class ImageFolderReader(K3Reader):
-    """A folder of images; each image's caption is the same-stem `.txt` file."""
+class _CaptionedFileReader(K3Reader):
+    """One media file per record; its caption is the same-stem `.txt` file."""
+
+    extensions: tuple[str, ...] = ()
+    media_type: MediaType = MediaType.IMAGE
 
     def accepts(self, filepath: str) -> bool:
-        return filepath.lower().endswith(IMAGE_EXTENSIONS)
+        return filepath.lower().endswith(self.extensions)
 
     def records(self, filepath: str) -> Iterator:
         with self.data_folder.open(filepath, "rb") as f:
@@ -281,7 +284,14 @@ class ImageFolderReader(K3Reader):
         caption = _read_sibling(self, posixpath.splitext(filepath)[0] + ".txt")
         text = _caption(caption, f"caption of {filepath}")
         return self.make_document(filepath, 0, text, len(data),
-                                  [_media(data, MediaType.IMAGE, filepath)])
+                                  [_media(data, self.media_type, filepath)])
+
+
+class ImageFolderReader(_CaptionedFileReader):
+    """A folder of images with captions."""
+
+    extensions = IMAGE_EXTENSIONS
+    media_type = MediaType.IMAGE
 
 
 class FrameFolderReader(K3Reader):
@@ -310,23 +320,11 @@ class FrameFolderReader(K3Reader):
         return self.make_document(filepath, 0, text, nbytes, media)
 
 
-class VideoFileReader(K3Reader):
-    """Animated image files (GIF, animated WebP/PNG), frames sampled later; caption in the
-    same-stem `.txt` file."""
+class VideoFileReader(_CaptionedFileReader):
+    """Animated image files (GIF, animated WebP/PNG) with captions; frames are sampled later."""
 
-    def accepts(self, filepath: str) -> bool:
-        return filepath.lower().endswith(VIDEO_EXTENSIONS)
-
-    def records(self, filepath: str) -> Iterator:
-        with self.data_folder.open(filepath, "rb") as f:
-            data = f.read()
-        yield RawRecord(0, len(data), lambda: self._document(filepath, data))
-
-    def _document(self, filepath: str, data: bytes) -> Document:
-        caption = _read_sibling(self, posixpath.splitext(filepath)[0] + ".txt")
-        text = _caption(caption, f"caption of {filepath}")
-        return self.make_document(filepath, 0, text, len(data),
-                                  [_media(data, MediaType.VIDEO, filepath)])
+    extensions = VIDEO_EXTENSIONS
+    media_type = MediaType.VIDEO
 
 
 READERS = {"jsonl": JsonlTextReader, "parquet": ParquetTextReader,
