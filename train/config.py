@@ -125,7 +125,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run_dir: str = "outputs/run"
-    steps: int = 200
+    steps: int = 150
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     activation_checkpointing: bool = False
