@@ -1,8 +1,8 @@
 """k3-export (train/export.py): a real Checkpointer checkpoint -> safetensors + config.json ->
 load_exported, checked tensor by tensor and on the forward pass.
 
-The model is k3_tiny with expert_intermediate 64: stock k3_tiny has 48, and w2 [E, L, 48] cannot
-be cut into MX blocks of 32 along its reduction dimension (test_export_refuses_unblockable_...).
+The model is k3_tiny (expert dims multiples of 32, so MX blocks of 32 fit the experts'
+reduction dimensions); one test uses expert_intermediate 48, which cannot be blocked.
 """
 
 import copy
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 FP32_KEPT = (".router.weight", ".balancer.bias")
 
 
-def _tiny_cfg():
+def _tiny_cfg(expert_intermediate: int = 64):
     cfg = k3_tiny()
-    return replace(cfg, moe=dataclasses.replace(cfg.moe, expert_intermediate=64))
+    return replace(cfg, moe=dataclasses.replace(cfg.moe, expert_intermediate=expert_intermediate))
 
 
 def _is_expert_weight(name):
@@ -201,7 +201,7 @@ def test_export_picks_the_latest_checkpoint(tiny_run, tmp_path):
 
 
 def test_export_refuses_unblockable_expert_weights(tmp_path):
-    model = K3Model(k3_tiny())  # expert_intermediate 48: w2's reduction dim is not 32-blockable
+    model = K3Model(_tiny_cfg(48))  # w2 [E, L, 48]: its reduction dim is not 32-blockable
     _save_run(tmp_path / "run", model)
     with pytest.raises(ValueError, match=r"experts\.w2 .*multiple of 32"):
         export_checkpoint(tmp_path / "run", tmp_path / "export")

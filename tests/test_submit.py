@@ -49,6 +49,16 @@ def test_bad_slurm_config_fails_before_submission(tmp_path, override, message):
 
 # ---- against the real local cluster ----------------------------------------------------------
 
+@pytest.mark.slurm
+def test_unknown_partition_fails_before_submission(tmp_path, slurm_cluster):
+    out = submit(f"run_dir={tmp_path}/run", "device=cpu", "slurm=local",
+                 "slurm.partition=no_such_partition")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "slurm.partition='no_such_partition'" in out.stderr
+    assert slurm_cluster.partition in out.stderr  # names the valid ones
+    assert not (tmp_path / "run").exists()
+
+
 def _sacct(job_id: str) -> tuple[str, int]:
     out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "--format=State,NNodes"],
                          capture_output=True, text=True)

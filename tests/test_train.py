@@ -148,3 +148,17 @@ def test_bad_config_fails_before_any_work(tmp_path, sample_data_dir, override, f
     assert out.returncode != 0
     assert field in out.stderr, out.stderr[-2000:]
     assert not (run / "checkpoints").exists()
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, sample_data_dir):
+    run = tmp_path / "run"
+    # An absurd init overflows the forward: every step's loss is non-finite.
+    out = run_train(run, sample_data_dir, *FAST, "steps=10", "model.init_std=1e10",
+                    "max_nonfinite_in_a_row=3", "logging.wandb=false", check=False)
+    assert out.returncode != 0
+    assert "3 steps in a row had a non-finite loss" in out.stdout + out.stderr
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["skipped"] for r in rows)
+    assert [r["nonfinite_in_a_row"] for r in rows] == [1, 2, 3]
+    assert not (run / "checkpoints").exists()  # nothing non-finite was ever saved
