@@ -6,8 +6,10 @@ source's share of all rows; shares become counts by largest remainder. A source
 with more samples than rows repeats its rows, fewer samples take a prefix of a fresh
 permutation (seeded by seed, source, cycle), so over epochs every row is used equally often.
 The epoch's samples are shuffled (seeded by seed, epoch) and cut into global batches of
-micro_batch_size * dp_world_size rows (the tail that does not fill one is dropped); DP rank r
-takes rows [r*B, (r+1)*B) of each, so ranks see disjoint samples. Iteration is endless.
+micro_batch_size * dp_world_size * grad_accum rows, one per optimizer step (the tail that does
+not fill one is dropped); micro-batch m of DP rank r takes rows [(m*W + r)*B, (m*W + r + 1)*B)
+of it, so ranks see disjoint samples and every split of a step into ranks and micro-batches
+covers the same rows. Iteration is endless.
 
 State. state_dict() is the number of batches this rank has taken plus what they depend on;
 load_state_dict() continues with exactly the batches an uninterrupted run would have produced.
@@ -65,7 +67,7 @@ class BatchSource(Dataset):
 
     def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
                  dp_rank: int, dp_world_size: int, seed: int, max_docs_per_row: int,
-                 patch_size: int, merge_size: int, frames_per_chunk: int):
+                 patch_size: int, merge_size: int, frames_per_chunk: int, grad_accum: int = 1):
         root = Path(manifest_path).parent
         manifest = json.loads(Path(manifest_path).read_text())
         if not manifest.get("complete"):
@@ -80,6 +82,7 @@ class BatchSource(Dataset):
         self.fingerprint = manifest["fingerprint"]
         self.seq_len, self.batch, self.slots = seq_len, micro_batch_size, max_docs_per_row
         self.rank, self.world, self.seed = dp_rank, dp_world_size, seed
+        self.grad_accum = grad_accum
         self.vision = VisionConfig(patch_size=patch_size, merge_size=merge_size,
                                    time_table_size=frames_per_chunk)
         self.readers: list[ShardReader] = []
@@ -107,8 +110,11 @@ class BatchSource(Dataset):
         w = np.array([size / total if wt is None else wt for wt, size in zip(weights, sizes)])
         w[sizes == 0] = 0.0
         self.samples_per_source = apportion(w, int(total))
-        self.global_batch = micro_batch_size * dp_world_size
-        self.steps_per_epoch = int(total) // self.global_batch
+        # One optimizer step's rows over all ranks and micro-batches: the same set of rows for
+        # any split into ranks x micro-batches, so every data-parallel layout sees the data of the
+        # single-process run step by step.
+        self.global_batch = micro_batch_size * dp_world_size * grad_accum
+        self.steps_per_epoch = int(total) // self.global_batch * grad_accum  # this rank's batches
         if self.steps_per_epoch == 0:
             raise ValueError(f"{int(total)} rows of {seq_len} tokens cannot fill one global "
                              f"batch of {self.global_batch} rows")
@@ -136,8 +142,11 @@ class BatchSource(Dataset):
         return rows
 
     def rows_for_step(self, step: int) -> np.ndarray:
-        epoch, within = divmod(step, self.steps_per_epoch)
-        start = within * self.global_batch + self.rank * self.batch
+        """Rows of this rank's `step`-th micro-batch: micro-batch m of optimizer step s takes
+        slice (m * world + rank) of the step's global batch."""
+        optimizer_step, micro = divmod(step, self.grad_accum)
+        epoch, within = divmod(optimizer_step, self.steps_per_epoch // self.grad_accum)
+        start = within * self.global_batch + (micro * self.world + self.rank) * self.batch
         return self.epoch_rows(epoch)[start:start + self.batch]
 
     def pieces(self, row: int) -> np.ndarray:
@@ -203,12 +212,12 @@ class K3DataLoader:
     def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, num_workers: int = 0,
                  patch_size: int = 14, merge_size: int = 2, frames_per_chunk: int = 4,
-                 max_docs_per_row: int = 64):
+                 max_docs_per_row: int = 64, grad_accum: int = 1):
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world_size={dp_world_size})")
         self.source = BatchSource(manifest_path, seq_len, micro_batch_size, dp_rank,
                                   dp_world_size, seed, max_docs_per_row, patch_size, merge_size,
-                                  frames_per_chunk)
+                                  frames_per_chunk, grad_accum)
         self.num_workers = num_workers
         self.step = 0
         self._it = None
@@ -220,9 +229,10 @@ class K3DataLoader:
         kwargs = {} if vision is None else {"patch_size": vision.patch_size,
                                             "merge_size": vision.merge_size,
                                             "frames_per_chunk": vision.time_table_size}
+        grad_accum = stage.global_batch_size // (stage.micro_batch_size * dp_world_size)
         return cls(manifest_path, stage.seq_len, stage.micro_batch_size, dp_rank, dp_world_size,
                    stage.seed, stage.num_workers, max_docs_per_row=stage.max_docs_per_row,
-                   **kwargs)
+                   grad_accum=grad_accum, **kwargs)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -248,7 +258,8 @@ class K3DataLoader:
         s = self.source
         return {"version": STATE_VERSION, "step": self.step, "seed": s.seed,
                 "seq_len": s.seq_len, "micro_batch_size": s.batch, "dp_rank": s.rank,
-                "dp_world_size": s.world, "max_docs_per_row": s.slots,
+                "dp_world_size": s.world, "grad_accum": s.grad_accum,
+                "max_docs_per_row": s.slots,
                 "fingerprint": s.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:

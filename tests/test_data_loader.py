@@ -88,6 +88,26 @@ def test_dp_ranks_see_disjoint_samples(manifest):
             assert not any(torch.equal(x, y) for x in first[i] for y in first[j])
 
 
+def test_every_rank_and_micro_batch_split_covers_the_same_rows_per_step(manifest):
+    """Optimizer step s covers the same rows for 1 rank x 4 micro-batches, 2 x 2 and 4 x 1, also
+    across the epoch boundary: each data-parallel layout trains on the single-process data."""
+    B2 = 16
+
+    def rows_per_step(world, accum, steps):
+        sources = [K3DataLoader(manifest, T, B2, dp_rank=r, dp_world_size=world, seed=2,
+                                grad_accum=accum).source for r in range(world)]
+        return [sorted(row for src in sources for m in range(accum)
+                       for row in src.rows_for_step(s * accum + m).tolist())
+                for s in range(steps)]
+
+    single = K3DataLoader(manifest, T, B2, seed=2, grad_accum=4)
+    steps = single.steps_per_epoch // 4 + 2  # into the second epoch
+    reference = rows_per_step(1, 4, steps)
+    assert rows_per_step(2, 2, steps) == reference
+    assert rows_per_step(4, 1, steps) == reference
+    assert all(len(rows) == 4 * B2 for rows in reference)
+
+
 def _check_layout(batch, seq_len: int, batch_size: int, slots: int) -> None:
     tokens, labels, cu = batch.tokens, batch.labels, batch.cu_seqlens
     assert tokens.shape == labels.shape == (batch_size, seq_len)
