@@ -141,6 +141,7 @@ def test_wandb_offline_history_and_resume_keeps_the_run_id(tmp_path, sample_data
     ("data.sources.0.path=/nonexistent/k3", "data.sources[0].path"),
     ("stage.global_batch_size=3", "stage.global_batch_size"),
     ("model.moe.top_k=lots", "top_k"),
+    ("parallel.tensor=3", "model.kda.num_heads=2 is invalid: must be divisible by parallel.tensor"),
 ])
 def test_bad_config_fails_before_any_work(tmp_path, sample_data_dir, override, field):
     run = tmp_path / "run"

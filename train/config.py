@@ -167,6 +167,15 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     if not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", o.betas, "each must be in [0, 1)")
     p = cfg.parallel
+    heads = {"model.kda.num_heads": cfg.model.kda.num_heads,
+             "model.mla.num_heads": cfg.model.mla.num_heads}
+    for field_path, value in heads.items():
+        if p.tensor > 0 and value % p.tensor:
+            _fail(field_path, value, f"must be divisible by parallel.tensor={p.tensor} "
+                  "(tensor parallelism splits attention heads)")
+    if p.expert > 0 and cfg.model.moe.num_experts % p.expert:
+        _fail("model.moe.num_experts", cfg.model.moe.num_experts,
+              f"must be divisible by parallel.expert={p.expert}")
     for name in ("tensor", "context", "expert", "pipeline"):
         if getattr(p, name) != 1:
             _fail(f"parallel.{name}", getattr(p, name),
