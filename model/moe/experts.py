@@ -70,6 +70,9 @@ class GroupedExperts(nn.Module):
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return situ_glu(gate, up, self.beta_gate, self.beta_up)
 
+    # Left out of torch.compile graphs: grouped_mm's fake (tracing) kernel takes bf16 only in
+    # torch 2.13, so fp32 runs could not be traced; each grouped GEMM is one kernel anyway.
+    @torch.compiler.disable
     def forward(self, buffer: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
         """buffer [N, L] grouped by expert, group_ends [E] int32 (ends at N) -> [N, L]."""
         # Autocast does not cover grouped_mm: cast to its dtype here as a Linear would be.
