@@ -107,7 +107,7 @@ def test_two_node_job_completes_with_losses_and_checkpoint(tmp_path, slurm_clust
 def test_preempted_job_checkpoints_requeues_and_resumes(tmp_path, slurm_cluster,
                                                         sample_data_dir):
     run = tmp_path / "run"
-    steps = 30
+    steps = 60  # long enough that the signal lands mid-run on a fast machine too
     job_id = _submit_job(run, sample_data_dir, f"steps={steps}", "checkpoint.every=0")
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 300
