@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from model.config import ConfigError
-from train.cli import CONFIG_DIR, register_configs, to_train_config
+from train.cli import CONFIG_DIR, prepare_tool_argv, register_configs, to_train_config
 from train.config import TrainConfig, validate_train_config
 
 from .render import render, validate_slurm
@@ -105,11 +105,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     global _dry_run
-    if "--dry-run" in sys.argv:
-        sys.argv.remove("--dry-run")
-        _dry_run = True
-    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none",
-                 "hydra/hydra_logging=none", "hydra.run.dir=."]
+    _dry_run = prepare_tool_argv("--dry-run")
     _hydra_main()
 
 

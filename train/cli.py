@@ -20,6 +20,18 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("k3.train")
 
 
+def prepare_tool_argv(flag: str) -> bool:
+    """For commands that share the training config but train nothing (k3-plan, k3-submit):
+    removes `flag` (e.g. --json) from sys.argv, which Hydra would reject, and makes Hydra write
+    no run directory or log files. Returns whether the flag was given."""
+    given = flag in sys.argv
+    if given:
+        sys.argv.remove(flag)
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none",
+                 "hydra/hydra_logging=none"]
+    return given
+
+
 def register_configs() -> None:
     """The typed schema every YAML in configs/ is merged into (Hydra structured config)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)

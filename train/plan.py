@@ -24,7 +24,7 @@ from model.config import ConfigError, K3Config
 from model.k3 import K3Model
 from model.params import count_parameters
 
-from .cli import CONFIG_DIR, register_configs, to_train_config
+from .cli import CONFIG_DIR, prepare_tool_argv, register_configs, to_train_config
 from .flops import forward_flops_per_token, training_flops_per_token
 
 GiB = 2**30
@@ -165,12 +165,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     global _as_json
-    if "--json" in sys.argv:
-        sys.argv.remove("--json")
-        _as_json = True
-    # A plan writes nothing: no run directory, no Hydra log files.
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none",
-                 "hydra/hydra_logging=none"]
+    _as_json = prepare_tool_argv("--json")
     _hydra_main()
 
 
