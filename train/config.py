@@ -37,15 +37,33 @@ class OptimConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """Process layout. Only data parallelism is implemented so far; the other sizes must be 1."""
+class MoonEPConfig:
+    transport: str = "collective"  # collective (gloo/NCCL, static sizes) | symm_mem (CUDA)
+    alignment: int = 8  # rows per expert slot group are padded to a multiple of this
 
-    data: int = -1  # -1: whatever the world size leaves after the other dimensions
+
+@dataclass
+class ParallelConfig:
+    """Process layout, in Megatron's rank order tp-cp-ep-dp-pp (parallel/topology.py owns it).
+
+    world = pipeline * data * context * tensor; experts re-split the same ranks of one pipeline
+    stage as expert_data * expert * expert_tensor."""
+
+    data: int = -1  # data-parallel ranks (replicas x shards); -1: what the world size leaves
+    data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard=full)
+    data_shard: str = "none"  # none (DDP) | optimizer (ZeRO-1) | full (FSDP2)
     tensor: int = 1
+    sequence_parallel: bool = True  # with tensor > 1: norms and AttnRes mixes sharded on T
     context: int = 1
     expert: int = 1
+    expert_tensor: int = 1
+    expert_dispatch: str = "moonep"  # moonep (static shapes, no host sync) | dynamic (baseline)
+    moonep: MoonEPConfig = field(default_factory=MoonEPConfig)
     pipeline: int = 1
+    pipeline_schedule: str = "1F1B"  # 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV
+    virtual_stages: int = 1  # pipeline stages per rank (interleaved / V schedules)
     backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 600.0  # a collective that waits longer fails the job
 
     def resolved_data(self, world_size: int) -> int:
         other = self.tensor * self.context * self.pipeline
