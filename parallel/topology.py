@@ -42,9 +42,9 @@ DATA_SHARD_MODES = ("none", "optimizer", "full")
 EXPERT_DISPATCH = ("moonep", "dynamic")
 MOONEP_TRANSPORTS = ("collective", "symm_mem")
 BACKENDS = ("auto", "gloo", "nccl")
-# Schedule -> what virtual_stages (stages per rank) it needs.
-PIPELINE_SCHEDULES = {"1F1B": "== 1", "Interleaved1F1B": ">= 2", "ZBVZeroBubble": "== 2",
-                      "DualPipeV": "== 2"}
+# Schedule -> the virtual_stages (stages per rank) it runs with: (least, most; None: any).
+PIPELINE_SCHEDULES = {"1F1B": (1, 1), "Interleaved1F1B": (2, None), "ZBVZeroBubble": (2, 2),
+                      "DualPipeV": (2, 2)}
 
 # Atomic dimensions of each family, fastest-varying first (the strides of the layout above).
 _DENSE_ATOMS = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
@@ -59,6 +59,33 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_cp", "dp_shard_c
 
 def _fail(path: str, value, valid: str) -> None:
     raise ConfigError(f"{path}={value!r} is invalid: {valid}")
+
+
+def check_model_fits(model: K3Config, tp: int, ep: int, etp: int, pp: int, virtual_stages: int,
+                     path: str = "model") -> None:
+    """The model's sizes must split evenly over the layout; ConfigError names the fields."""
+    tp_split = {f"{path}.kda.num_heads": model.kda.num_heads,
+                f"{path}.mla.num_heads": model.mla.num_heads,
+                f"{path}.vocab_size": model.vocab_size}  # vocab-parallel embedding and head
+    if model.num_dense_layers > 0:
+        tp_split[f"{path}.dense_intermediate"] = model.dense_intermediate
+    if model.moe.num_shared_experts > 0:  # shared experts: column then row parallel
+        tp_split[f"{path}.moe.expert_intermediate"] = model.moe.expert_intermediate
+    for name, value in tp_split.items():
+        if value % tp:
+            _fail(name, value, f"must be divisible by parallel.tensor={tp} "
+                  "(tensor parallelism splits it across ranks)")
+    if model.moe.num_experts % ep:
+        _fail(f"{path}.moe.num_experts", model.moe.num_experts,
+              f"must be divisible by parallel.expert={ep}")
+    if model.moe.expert_intermediate % etp:
+        _fail(f"{path}.moe.expert_intermediate", model.moe.expert_intermediate,
+              f"must be divisible by parallel.expert_tensor={etp}")
+    stages = pp * virtual_stages
+    if model.num_layers < stages:
+        _fail(f"{path}.num_layers", model.num_layers,
+              f"must be >= parallel.pipeline*virtual_stages = {pp}*{virtual_stages} = {stages} "
+              "(every stage holds at least one layer; the split may be uneven)")
 
 
 @dataclass
@@ -88,6 +115,11 @@ class Topology:
     _meshes: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
+    def initialized(self) -> bool:
+        """Whether initialize() has created this layout's groups in this process."""
+        return self.rank is not None
+
+    @property
     def dp(self) -> int:
         """Megatron's data-parallel size (replicas x shards)."""
         return self.dp_replicate * self.dp_shard
@@ -107,6 +139,35 @@ class Topology:
                 _fail(f"parallel.{name}", getattr(p, name), "must be >= 1")
         if p.data != -1 and p.data < 1:
             _fail("parallel.data", p.data, "must be >= 1, or -1 for what the world size leaves")
+        if p.expert_dispatch not in EXPERT_DISPATCH:
+            _fail("parallel.expert_dispatch", p.expert_dispatch,
+                  f"must be one of {list(EXPERT_DISPATCH)}")
+        if p.moonep.transport not in MOONEP_TRANSPORTS:
+            _fail("parallel.moonep.transport", p.moonep.transport,
+                  f"must be one of {list(MOONEP_TRANSPORTS)}")
+        if p.moonep.alignment < 1:
+            _fail("parallel.moonep.alignment", p.moonep.alignment, "must be >= 1")
+        if p.pipeline_schedule not in PIPELINE_SCHEDULES:
+            _fail("parallel.pipeline_schedule", p.pipeline_schedule,
+                  f"must be one of {list(PIPELINE_SCHEDULES)}")
+        least, most = PIPELINE_SCHEDULES[p.pipeline_schedule]
+        vs = p.virtual_stages
+        if vs < least or (most is not None and vs > most):
+            need = f"== {least}" if least == most else f">= {least}"
+            _fail("parallel.virtual_stages", vs,
+                  f"must be {need} with parallel.pipeline_schedule={p.pipeline_schedule}")
+        if vs > 1 and p.pipeline == 1:
+            _fail("parallel.virtual_stages", vs,
+                  "must be 1 with parallel.pipeline=1 (virtual stages interleave pipeline ranks)")
+        if p.backend not in BACKENDS:
+            _fail("parallel.backend", p.backend, f"must be one of {list(BACKENDS)}")
+        if not p.timeout_s > 0:
+            _fail("parallel.timeout_s", p.timeout_s, "must be > 0 (seconds)")
+        if p.data_shard not in DATA_SHARD_MODES:
+            _fail("parallel.data_shard", p.data_shard, f"must be one of {list(DATA_SHARD_MODES)}")
+        if model is not None:  # before the world size: a model that cannot split fails first
+            check_model_fits(model, tp=p.tensor, ep=p.expert, etp=p.expert_tensor,
+                             pp=p.pipeline, virtual_stages=vs)
         model_parallel = p.tensor * p.context * p.pipeline
         if p.data == -1:
             if world_size % model_parallel:
@@ -120,8 +181,6 @@ class Topology:
                 _fail("parallel.data", p.data,
                       f"data*tensor*context*pipeline must equal the world size {world_size} "
                       f"(tensor={p.tensor}, context={p.context}, pipeline={p.pipeline})")
-        if p.data_shard not in DATA_SHARD_MODES:
-            _fail("parallel.data_shard", p.data_shard, f"must be one of {list(DATA_SHARD_MODES)}")
         if data % p.data_replicate:
             _fail("parallel.data_replicate", p.data_replicate,
                   f"must divide parallel.data={data} (HSDP: replicas x shards)")
@@ -143,29 +202,6 @@ class Topology:
             _fail("parallel.data_replicate", p.data_replicate,
                   f"must divide expert_data = data*context*tensor/(expert*expert_tensor) = {edp} "
                   f"(every replica holds whole expert groups)")
-        if p.expert_dispatch not in EXPERT_DISPATCH:
-            _fail("parallel.expert_dispatch", p.expert_dispatch,
-                  f"must be one of {list(EXPERT_DISPATCH)}")
-        if p.moonep.transport not in MOONEP_TRANSPORTS:
-            _fail("parallel.moonep.transport", p.moonep.transport,
-                  f"must be one of {list(MOONEP_TRANSPORTS)}")
-        if p.moonep.alignment < 1:
-            _fail("parallel.moonep.alignment", p.moonep.alignment, "must be >= 1")
-        if p.pipeline_schedule not in PIPELINE_SCHEDULES:
-            _fail("parallel.pipeline_schedule", p.pipeline_schedule,
-                  f"must be one of {list(PIPELINE_SCHEDULES)}")
-        need = PIPELINE_SCHEDULES[p.pipeline_schedule]
-        vs = p.virtual_stages
-        if not (vs == 1 if need == "== 1" else vs >= 2 if need == ">= 2" else vs == 2):
-            _fail("parallel.virtual_stages", vs,
-                  f"must be {need} with parallel.pipeline_schedule={p.pipeline_schedule}")
-        if vs > 1 and p.pipeline == 1:
-            _fail("parallel.virtual_stages", vs,
-                  "must be 1 with parallel.pipeline=1 (virtual stages interleave pipeline ranks)")
-        if p.backend not in BACKENDS:
-            _fail("parallel.backend", p.backend, f"must be one of {list(BACKENDS)}")
-        if not p.timeout_s > 0:
-            _fail("parallel.timeout_s", p.timeout_s, "must be > 0 (seconds)")
         topo = cls(world_size=world_size, pp=p.pipeline, dp_replicate=p.data_replicate,
                    dp_shard=data // p.data_replicate, cp=p.context, tp=p.tensor, ep=p.expert,
                    etp=p.expert_tensor, edp=edp, data_shard=p.data_shard,
@@ -175,34 +211,7 @@ class Topology:
                    virtual_stages=vs, pipeline_schedule=p.pipeline_schedule,
                    expert_dispatch=p.expert_dispatch, moonep_transport=p.moonep.transport,
                    timeout_s=float(p.timeout_s))
-        if model is not None:
-            topo.check_model(model)
         return topo
-
-    def check_model(self, model: K3Config, path: str = "model") -> None:
-        """The model's sizes must split evenly over this layout."""
-        tp_split = {f"{path}.kda.num_heads": model.kda.num_heads,
-                    f"{path}.mla.num_heads": model.mla.num_heads,
-                    f"{path}.vocab_size": model.vocab_size}  # vocab-parallel embedding and head
-        if model.num_dense_layers > 0:
-            tp_split[f"{path}.dense_intermediate"] = model.dense_intermediate
-        if model.moe.num_shared_experts > 0:  # shared experts: column then row parallel
-            tp_split[f"{path}.moe.expert_intermediate"] = model.moe.expert_intermediate
-        for name, value in tp_split.items():
-            if value % self.tp:
-                _fail(name, value, f"must be divisible by parallel.tensor={self.tp} "
-                      "(tensor parallelism splits it across ranks)")
-        if model.moe.num_experts % self.ep:
-            _fail(f"{path}.moe.num_experts", model.moe.num_experts,
-                  f"must be divisible by parallel.expert={self.ep}")
-        if model.moe.expert_intermediate % self.etp:
-            _fail(f"{path}.moe.expert_intermediate", model.moe.expert_intermediate,
-                  f"must be divisible by parallel.expert_tensor={self.etp}")
-        stages = self.pp * self.virtual_stages
-        if model.num_layers < stages:
-            _fail(f"{path}.num_layers", model.num_layers,
-                  f"must be >= parallel.pipeline*virtual_stages = {self.pp}*"
-                  f"{self.virtual_stages} = {stages} (every stage holds at least one layer)")
 
     # ---- rank arithmetic (no process group; the tests' oracle is megatron's RankGenerator) ----
 
@@ -401,7 +410,9 @@ class Topology:
 
     def destroy(self) -> None:
         """Drops megatron-core's parallel state and the groups this object made; the default
-        process group stays (train.distributed.shutdown ends it)."""
+        process group stays (train.distributed.shutdown ends it). No-op before initialize()."""
+        if not self.initialized:
+            return
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
