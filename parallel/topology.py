@@ -108,11 +108,12 @@ class Topology:
     expert_dispatch: str = "moonep"
     moonep_transport: str = "collective"
     timeout_s: float = 600.0
-    rank: int | None = field(default=None, init=False)
-    device_type: str | None = field(default=None, init=False)
-    _groups: dict = field(default_factory=dict, init=False, repr=False)
-    _own_groups: list = field(default_factory=list, init=False, repr=False)
-    _meshes: dict = field(default_factory=dict, init=False, repr=False)
+    # Set by initialize(); not part of the layout's identity.
+    rank: int | None = field(default=None, init=False, compare=False)
+    device_type: str | None = field(default=None, init=False, compare=False)
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _own_groups: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def initialized(self) -> bool:
@@ -309,8 +310,8 @@ class Topology:
             num_distributed_optimizer_instances=self.dp_replicate,
             distributed_timeout_minutes=self.timeout_s / 60,
             order=MEGATRON_ORDER,
-            # Gloo copies of the data-parallel groups serve megatron's own optimizer only; the
-            # fake backend (1024-rank tests) cannot create them.
+            # Gloo copies of the data-parallel groups serve megatron's own optimizer only (not
+            # used here), and the fake backend of the 1024-rank tests cannot create them.
             create_gloo_process_groups=False,
         )
         g = {"tp": ps.get_tensor_model_parallel_group(),
@@ -351,7 +352,7 @@ class Topology:
         for name, group in g.items():
             got = dist.get_process_group_ranks(group)
             if got != self.ranks(name):
-                raise RuntimeError(f"megatron-core's {name} group {got} differs from the layout's "
+                raise RuntimeError(f"the {name} group {got} differs from the layout's "
                                    f"{self.ranks(name)} (rank {self.rank})")
         self._groups = g
         return self

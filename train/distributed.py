@@ -12,6 +12,8 @@ import torch.distributed as dist
 from model.config import K3Config
 from parallel.topology import Topology
 
+from .config import ParallelConfig
+
 
 @dataclass
 class DistEnv:
@@ -52,7 +54,8 @@ def init_distributed(device_choice: str, backend: str = "auto",
     return DistEnv(rank, world, local_rank, device)
 
 
-def init_topology(parallel, env: DistEnv, model: K3Config | None = None) -> Topology:
+def init_topology(parallel: ParallelConfig, env: DistEnv,
+                  model: K3Config | None = None) -> Topology:
     """The validated layout for this world; with more than one rank megatron-core creates its
     process groups now (call after init_distributed). One process needs no groups, and skipping
     them spares it megatron-core's import."""
