@@ -14,6 +14,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model.config import ConfigError, k3_full, k3_tiny
 from parallel.topology import MEGATRON_ORDER, Topology
+from tests.tolerances import assert_close_rms
 from train.config import MoonEPConfig, ParallelConfig
 
 
@@ -199,6 +200,25 @@ LAYOUTS_4 = [
 ]
 
 
+def _check_hsdp(t: Topology, rank: int) -> None:
+    """FSDP2 takes the HSDP mesh as is: its gradient is the mean of every data rank's."""
+    from torch.distributed.fsdp import fully_shard
+
+    def batch(r: int) -> torch.Tensor:
+        return torch.arange(8.0).reshape(2, 4) * (r + 1) / 10
+
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 3)
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=t.mesh("dp_replicate", "dp_shard"))
+    model(batch(t.rank_in("dp"))).square().sum().backward()
+    for r in range(t.dp):  # the same weights, every rank's data, one process
+        (reference(batch(r)).square().sum() / t.dp).backward()
+    for name, p in model.named_parameters():
+        assert_close_rms(getattr(reference, name).grad, p.grad.full_tensor(), 1e-6, name)
+
+
 def _gloo_worker(rank: int, init_file: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -229,6 +249,8 @@ def _gloo_worker(rank: int, init_file: str) -> None:
                 shards = [Shard(i) for i in range(mesh.ndim)]
                 dt = distribute_tensor(full, mesh, shards)
                 assert torch.equal(dt.full_tensor(), full), dims
+            if t.dp_replicate > 1:
+                _check_hsdp(t, rank)
             t.destroy()
         dist.barrier()
     finally:
