@@ -7,8 +7,8 @@ parallel layout, from the same configs as `k3-train`.
 The model is built on the meta device (no memory, no time), so the counts are the real module's.
 Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
 Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter
-(within one HSDP replica),
-and activations from a per-token, per-layer count of saved tensors (see activation_bytes).
+within one HSDP replica, and activations from a per-token, per-layer count of saved tensors (see
+activation_bytes).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ GiB = 2**30
 
 
 def plan_topology(cfg) -> Topology:
-    """The validated layout (parallel/topology.py) of the world these sizes make: data (1 when
-    it is -1, "what the world leaves") x tensor x context x pipeline ranks."""
+    """The validated layout (parallel/topology.py) of the world these sizes make, data x tensor x
+    context x pipeline ranks; data=-1 counts as 1 (k3-plan has no world of its own)."""
     p = cfg.parallel
     world = max(p.data, 1) * p.tensor * p.context * p.pipeline
     return Topology.from_config(p, world, cfg.model)
