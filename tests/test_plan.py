@@ -55,3 +55,8 @@ def test_plan_rejects_a_bad_layout_naming_the_field():
                           "parallel.data_replicate=3", "parallel.data_shard=full"], cwd=REPO,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 2 and "parallel.data_replicate=3" in out.stderr, out.stderr
+
+
+def test_plan_without_a_data_size_takes_the_fewest_ranks_that_hold_the_experts():
+    lay = _plan("parallel.tensor=2", "parallel.expert=8")["layout"]
+    assert (lay["world_size"], lay["data"], lay["expert_data"]) == (8, 4, 1)

@@ -14,6 +14,7 @@ activation_bytes).
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import hydra
@@ -33,9 +34,14 @@ GiB = 2**30
 
 def plan_topology(cfg) -> Topology:
     """The validated layout (parallel/topology.py) of the world these sizes make, data x tensor x
-    context x pipeline ranks; data=-1 counts as 1 (k3-plan has no world of its own)."""
+    context x pipeline ranks. k3-plan has no world of its own: data=-1 takes the fewest data
+    ranks that hold whole expert groups (expert*expert_tensor dividing data*context*tensor)."""
     p = cfg.parallel
-    world = max(p.data, 1) * p.tensor * p.context * p.pipeline
+    data = p.data
+    if data == -1:
+        span = max(p.expert * p.expert_tensor, 1)
+        data = span // math.gcd(span, max(p.tensor * p.context, 1))
+    world = max(data, 1) * p.tensor * p.context * p.pipeline
     return Topology.from_config(p, world, cfg.model)
 
 
