@@ -373,31 +373,3 @@ def test_modality_codes_cover_the_config_modalities():
 
     assert set(MODALITY_CODES) == set(MODALITY_FORMATS)
     assert dataclasses.fields(DataConfig)  # the schema Hydra registers is a dataclass
-
-
-def test_regex_word_splitter_makes_the_same_gopher_decisions_as_spacy():
-    import json
-
-    from datatrove.pipeline.filters.gopher_quality_filter import GopherQualityFilter
-    from datatrove.pipeline.filters.gopher_repetition_filter import GopherRepetitionFilter
-
-    from data_pipeline.config import SAMPLE_DIR
-    from data_pipeline.filters import RegexWordTokenizer
-
-    texts = []  # the junk and copies file, and a quarter of the other documents
-    for path in sorted((SAMPLE_DIR / "text" / "web").glob("*.jsonl")):
-        for i, line in enumerate(path.read_bytes().splitlines()):
-            try:
-                text = json.loads(line)["text"]
-                text.encode("utf-8")
-            except (ValueError, KeyError, TypeError, AttributeError, UnicodeEncodeError):
-                continue
-            if text.strip() and (path.name == "web_002.jsonl" or i % 4 == 0):
-                texts.append(text)
-    regex = RegexWordTokenizer("eng")
-    for rule in (GopherQualityFilter, GopherRepetitionFilter):
-        spacy_rule, regex_rule = rule(language="eng"), rule(language=regex)
-        decisions = [(spacy_rule.filter(Document(t, "d")), regex_rule.filter(Document(t, "d")))
-                     for t in texts]
-        assert all(a == b for a, b in decisions), rule.__name__
-        assert sum(a is not True for a, _ in decisions) >= 5  # the junk is in there
