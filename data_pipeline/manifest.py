@@ -165,6 +165,7 @@ def timings_path(out: Path) -> Path:
 def finalize_run(out: Path, cfg: DataConfig) -> dict:
     """Summary, quarantine and (last) the manifest; returns the summary."""
     timings = json.loads(timings_path(out).read_text()) if timings_path(out).exists() else {}
+    (out / "ledger").mkdir(exist_ok=True)  # there even when no record left the pipeline
     summary = build_summary(out, timings)
     write_quarantine(out)
     write_json(out / "summary.json", summary)
