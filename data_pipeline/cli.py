@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from model.config import ConfigError
 
 from .config import DataConfig, StageConfig
-from .pipeline import ensure_prepared, run_pipeline
+from .pipeline import STAGES, ensure_prepared, run_pipeline
 
 __all__ = ["main", "run_pipeline", "ensure_prepared", "format_summary"]
 
@@ -84,7 +84,7 @@ def _run(cfg: DictConfig) -> int:
             print(f"k3-data: every stage in {out} had finished; nothing submitted")
             return 0
         print(f"k3-data: submitted Slurm jobs {' '.join(map(str, summary['submitted']))} "
-              f"(curate, global, tokenize, finalize); the last one writes {out}/summary.json "
+              f"({', '.join(STAGES)}); the last one writes {out}/summary.json "
               f"and {out}/manifest.json. If a job fails, rerun with data.resume=true.")
         return 0
     out = Path(app.data.output_dir).resolve()

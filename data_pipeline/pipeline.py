@@ -1,8 +1,9 @@
-"""The curation run as four datatrove stages, on the local executor or on Slurm:
+"""The curation run as five datatrove stages, on the local executor or on Slurm:
 
     curate    (tasks)  read -> decode media -> quality filters -> resize media -> dedup signatures
                        -> curated JSONL
-    global    (1 task) dedup clusters over all signatures -> tokenizer (train or load)
+    buckets   (bands)  MinHash LSH buckets -> candidate pairs verified by exact Jaccard
+    global    (1 task) near-duplicate clusters, exact and perceptual duplicates -> tokenizer
     tokenize  (tasks)  curated JSONL -> drop duplicates -> rephrase hook -> tokens -> shards
     finalize  (1 task) summary, quarantine, manifest
 
@@ -33,7 +34,8 @@ from tqdm import tqdm
 from model.config import ConfigError
 
 from .config import DataConfig, as_data_config
-from .dedup import DedupStep, DropDuplicates, SignatureStep
+from .dedup import DropDuplicates
+from .dedup_stages import SignatureStep, buckets_pipeline, global_pipeline
 from .filters import quality_filters
 from .intermediate import CuratedReader, CuratedWriter
 from .logs import set_verbosity
@@ -46,7 +48,7 @@ from .rephrase import Rephrase
 from .tokenize_shards import TokenizerStep, TokenizeToShards
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("curate", "global", "tokenize", "finalize")
+STAGES = ("curate", "buckets", "global", "tokenize", "finalize")
 
 
 def stages(cfg: DataConfig, out: str) -> list[tuple[str, list[PipelineStep], int]]:
@@ -64,7 +66,8 @@ def stages(cfg: DataConfig, out: str) -> list[tuple[str, list[PipelineStep], int
     tasks = cfg.executor.tasks
     return [
         ("curate", curate, tasks),
-        ("global", [DedupStep(cfg.dedup, work, steps_progress),
+        ("buckets", buckets_pipeline(cfg.dedup, work), cfg.dedup.bands),
+        ("global", [*global_pipeline(cfg.dedup, work),
                     TokenizerStep(cfg.tokenizer, out, work, steps_progress)], 1),
         ("tokenize", tokenize, tasks),
         ("finalize", [FinalizeStep(cfg, out)], 1),
@@ -151,7 +154,7 @@ class _StageBar:
 def run_pipeline(cfg) -> dict:
     """Runs the configured curation (a DataConfig, a DictConfig or a dict). Local: returns the
     summary (also in <output_dir>/summary.json); the output does not depend on the number of
-    workers. Slurm: submits the four stages as dependent job arrays and returns at once with
+    workers. Slurm: submits the five stages as dependent job arrays and returns at once with
     {"submitted": [job id of each stage, in run order]}; the finalize job writes summary.json and,
     last, manifest.json with "complete": true, then swaps the build in for output_dir. After a
     failed job, the same config with resume=True resubmits only the tasks that did not finish (a

@@ -329,8 +329,9 @@ def test_slurm_executor_is_selected_and_chains_the_stages(tmp_path):
     for name, pipeline, tasks in stages(cfg, str(tmp_path)):
         previous = _slurm(cfg, name, pipeline, tasks, str(tmp_path), previous)
         assert isinstance(previous, SlurmPipelineExecutor)
-        assert previous.tasks == (3 if name in ("curate", "tokenize") else 1)
-    assert previous.depends.depends.depends.job_name == "k3-data-curate"
+        expected = {"curate": 3, "tokenize": 3, "buckets": cfg.dedup.bands}.get(name, 1)
+        assert previous.tasks == expected
+    assert previous.depends.depends.depends.depends.job_name == "k3-data-curate"
 
 
 # ------------------------------------------------------------------ hooks
