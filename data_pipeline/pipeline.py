@@ -171,7 +171,9 @@ def run_pipeline(cfg) -> dict:
     cfg.check_sources_exist()
     out = Path(cfg.output_dir).resolve()
     build = partial_dir(out)
-    if cfg.resume and not build.exists() and is_prepared(cfg):  # finished and published
+    if not cfg.overwrite and not build.exists() and is_prepared(cfg):  # done, same config
+        print(f"k3-data: {out} already holds the dataset of this config; nothing to do "
+              "(data.overwrite=true rebuilds it)", file=sys.stderr)
         if cfg.executor.kind == "slurm":
             return {"submitted": [-1] * len(STAGES)}
         return json.loads((out / "summary.json").read_text())
@@ -224,9 +226,11 @@ def check_usable(cfg: DataConfig, manifest: dict, out: Path) -> None:
     made = manifest.get("data", {})
     configured = [dataclasses.asdict(s) for s in cfg.sources]
     if not cfg.use_prepared and made.get("sources") != configured:
+        origin = (_describe(made["sources"]) if "sources" in made else
+                  "sources this manifest does not name (an older k3-data made it)")
         raise ConfigError(
             f"data.output_dir={str(out)!r} holds the dataset {made.get('name', '?')!r} curated "
-            f"from: {_describe(made.get('sources', []))}. The configured data.sources "
+            f"from: {origin}. The configured data.sources "
             f"({cfg.name!r}) are: {_describe(configured)}. To train on the dataset in "
             f"{out} as it is, add data.use_prepared=true; to re-curate it from the configured "
             f"sources, run k3-data with the same data settings and data.overwrite=true")

@@ -216,9 +216,9 @@ class ImageTextReader(_JsonlReader):
 
     def _document(self, filepath: str, index: int, obj: dict, nbytes: int, orig_id) -> Document:
         where = f"line {index + 1}"
-        text = _caption(None if obj.get(self.text_key) is None else
-                        str(obj[self.text_key]).encode("utf-8", "surrogatepass"),
-                        f"field {self.text_key!r} of {where}")
+        if obj.get(self.text_key) is None:
+            raise RecordProblem("missing_caption", f"{where} has no {self.text_key!r}")
+        text = check_text(obj[self.text_key], f"field {self.text_key!r} of {where}")
         image = obj.get(self.image_key)
         if not isinstance(image, str) or not image:
             raise RecordProblem("missing_image", f"{where} has no {self.image_key!r} path")

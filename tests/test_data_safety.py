@@ -62,6 +62,7 @@ def test_train_uses_a_prepared_dataset_as_it_is_or_stops_naming_both_sources(tmp
     sample.use_prepared = True
     assert ensure_prepared(sample) == out / "manifest.json"
     assert ensure_prepared(mine) == out / "manifest.json"
+    assert run_pipeline(mine)["balanced"]  # the same config again: nothing to do
     assert _snapshot(out) == before
 
 

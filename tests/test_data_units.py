@@ -161,6 +161,51 @@ def test_find_duplicates_keeps_the_first_copy_in_order():
     assert dups[0].similarity == pytest.approx(reference_jaccard(near, TEXT, 5))
 
 
+def test_sharded_minhash_stages_equal_the_reference_on_chains_and_copies(tmp_path):
+    """Two curate tasks through SignatureStep, datatrove's bucket stage (one task per band)
+    with exact-Jaccard verification, its cluster stage and DedupStep; the decisions equal the
+    in-memory reference's. The corpus has a chain (A ~ B ~ C with A !~ C at a lower
+    threshold), exact copies on both tasks (one of them first in order), and distinct texts."""
+    from data_pipeline.dedup import load_duplicates
+    from data_pipeline.dedup_stages import (
+        SignatureStep,
+        buckets_pipeline,
+        global_pipeline,
+        load_signatures,
+    )
+
+    words = TEXT.split()
+    b = " ".join(words[:20] + ["quietly"] + words[21:])
+    c = " ".join(words[:20] + ["quietly"] + words[21:40] + ["again"] + words[41:])
+    distinct = [" ".join(f"word{i}x{j}" for j in range(30)) for i in range(3)]
+    tasks = [[TEXT, b, distinct[0], TEXT.upper()], [c, "  " + b + " ", distinct[1], distinct[2]]]
+    for threshold in (0.8, 0.95):
+        cfg = DedupConfig(jaccard_threshold=threshold)
+        work = str(tmp_path / f"work{threshold}")
+        for rank, texts in enumerate(tasks):
+            order = [f"{(i * 7 + rank) % 5}|{rank}|{i}" for i in range(len(texts))]
+            docs = [Document(t, f"t{rank}/{i}", metadata={"modality": "text", "order": o})
+                    for i, (t, o) in enumerate(zip(texts, order))]
+            assert len(list(SignatureStep(cfg, work).run(iter(docs), rank, 2))) == len(texts)
+        for band in range(cfg.bands):
+            pipeline = buckets_pipeline(cfg, work)
+            pipeline[0].run(None, band, cfg.bands)
+            list(pipeline[1].run(None, band, cfg.bands))
+        cluster, dedup = global_pipeline(cfg, work)
+        cluster.run(None, 0, 1)
+        list(dedup.run(None, 0, 1))
+        sig = load_signatures(work, cfg)
+        reference = {str(sig.ids[d.index]): (d.reason, str(sig.ids[d.keeper]),
+                                             round(d.similarity, 4))
+                     for d in find_duplicates(sig, cfg)}
+        sharded = {k: (r["reason"], r["of"], r["similarity"])
+                   for k, r in load_duplicates(work).items()}
+        assert sharded == reference
+        reasons = sorted(r for r, _, _ in sharded.values())
+        assert reasons.count("exact_duplicate") == 2 and "near_duplicate" in reasons
+        assert not any(k.endswith("/2") or k == "t1/3" for k in sharded)  # distinct kept
+
+
 # ------------------------------------------------------------------ pictures
 
 def _scene(color, shift=0) -> Image.Image:
