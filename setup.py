@@ -18,6 +18,9 @@ setup(
         "hydra-submitit-launcher>=1.2",
         "wandb>=0.19",
         "datatrove>=0.4",
+        # datatrove's text utilities, which its Gopher filters and MinHash stages import, need
+        # regex (in datatrove's "processing" extra, whose other packages are not used here)
+        "regex",
         "pyarrow>=14",
         "xxhash",
         "tokenizers>=0.19",
