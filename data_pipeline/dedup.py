@@ -171,16 +171,6 @@ class Signatures:
     def frames_of(self, i: int) -> slice:
         return slice(self.frame_offsets[i], self.frame_offsets[i + 1])
 
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            np.savez(f, **{k: getattr(self, k) for k in self.__dataclass_fields__})
-
-    @classmethod
-    def load(cls, path: Path) -> Signatures:
-        with np.load(path) as z:
-            return cls(**{k: z[k] for k in cls.__dataclass_fields__})
-
     @classmethod
     def concat(cls, parts: list[Signatures], num_perm: int) -> Signatures:
         def offsets(name: str) -> np.ndarray:
@@ -264,7 +254,7 @@ def find_duplicates(sig: Signatures, cfg: DedupConfig, progress: bool = False,
     """Exact, near and perceptual duplicates, in keep-first order. `near` finds the near
     duplicates among the text documents that are no exact duplicate (`alive`); the default is
     the in-memory reference, the pipeline passes the sharded datatrove stages
-    (minhash_stages.near_duplicates_from_clusters)."""
+    (dedup_stages.near_duplicates_from_clusters)."""
     pos = positions(sig)
     dups: list[Duplicate] = []
     text = np.flatnonzero(sig.modality == MODALITY_CODES["text"])

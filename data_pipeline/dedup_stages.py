@@ -280,6 +280,7 @@ def near_duplicates_from_clusters(work_dir: str, rows: list[np.ndarray]):
     text = TextArrays(work_dir)
 
     def near(sig: Signatures, pos: np.ndarray, alive: np.ndarray) -> list[Duplicate]:
+        # the clusters hold only `alive` documents: VerifyCandidates left exact copies out
         clusters: dict[int, list[tuple[int, int]]] = {}
         for path in sorted(_folders(work_dir)["clusters"].glob("*.clusters")):
             rank = int(path.name.split(".")[0])

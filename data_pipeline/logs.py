@@ -17,7 +17,7 @@ import os
 import sys
 
 import datatrove.executor.base as executor_base
-from loguru import logger
+from datatrove.utils.logging import logger  # loguru
 
 VERBOSE_ENV = "K3_DATA_VERBOSE"
 _FORMAT = ("{time:YYYY-MM-DD HH:mm:ss.SSS} | <level>{level: <8}</level> | "
