@@ -127,10 +127,12 @@ class TokenizeToShards(PipelineStep):
                                                 k3_detail=f"{len(ids)} tokens > {seq_len}")
                             ledger.write(doc, rank)
                             continue
-                        writer(doc.metadata["source"]).add(
-                            doc.id, doc.metadata["origin"], doc.metadata["modality"],
-                            np.asarray(ids), offset, doc.metadata.get("grid_thw"),
-                            [m.media_bytes for m in doc.media], doc.text)
+                        meta = doc.metadata
+                        writer(meta["source"]).add(
+                            doc.id, meta["origin"], meta["modality"], np.asarray(ids), offset,
+                            meta.get("grid_thw"), [m.media_bytes for m in doc.media], doc.text,
+                            {"file": meta.get("file"), "line": meta.get("line"),
+                             "record_id": meta.get("orig_id")})
                         self.stat_update("tokens", value=len(ids))
                         written.append(doc)
                 yield from written

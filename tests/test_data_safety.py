@@ -126,20 +126,28 @@ def test_a_run_where_nothing_survives_finishes_and_training_refuses_it(tmp_path,
         ensure_prepared(cfg)
 
 
-def test_k3_data_says_when_nothing_is_kept(tmp_path):
+def _k3_data(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "data_pipeline.cli", *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_k3_data_says_when_nothing_is_kept_and_is_quiet_unless_verbose(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.jsonl").write_bytes(b"\xff\xfe not utf-8\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "data_pipeline.cli", f"data.output_dir={tmp_path / 'out'}",
-         f"data.sources=[{{name: web, path: '{src}'}}]", "stage.long_docs.num_docs=0"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    args = (f"data.output_dir={tmp_path / 'out'}", f"data.sources=[{{name: web, path: '{src}'}}]",
+            "stage.long_docs.num_docs=0")
+    result = _k3_data(*args)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "is empty: none of the 1 input records survived" in result.stdout
     assert "non_utf8: 1" in result.stdout
-    # quiet by default: stage bars and the summary, no datatrove INFO log lines
+    # quiet by default: one bar per stage and the summary, no datatrove INFO log lines
     assert "INFO" not in result.stderr and "Stats" not in result.stderr, result.stderr[-2000:]
-    assert "k3-data curate" in result.stderr
+    assert all(f"k3-data {stage}" in result.stderr
+               for stage in ("curate", "buckets", "global", "tokenize", "finalize"))
+    verbose = _k3_data(*args, "data.overwrite=true", "data.verbose=true")
+    assert verbose.returncode == 0, verbose.stderr[-2000:]
+    assert "INFO" in verbose.stderr and "Stats" in verbose.stderr
 
 
 # ------------------------------------------------------------------ 3: missing, unreadable
@@ -266,6 +274,9 @@ def test_image_text_jsonl_reader_quarantines_missing_and_undecodable_images(tmp_
     docs = [d for p in out.glob("shards/pairs/*.docs.jsonl") for d in read_jsonl(p)]
     assert sorted(d["id"] for d in docs) == ["pairs/pairs.jsonl#0", "pairs/pairs.jsonl#1"]
     assert {d["modality"] for d in docs} == {"image"}
+    # kept records are traced by the same fields
+    assert sorted((d["file"], d["line"], d["record_id"]) for d in docs) == [
+        (str(src / "pairs.jsonl"), 1, "r1"), (str(src / "pairs.jsonl"), 2, "b1")]
     curated = {d["id"]: d for p in out.glob("work/curated/*.jsonl") for d in read_jsonl(p)}
     red = curated["pairs/pairs.jsonl#0"]["metadata"]
     assert red["record_metadata"] == {"license": "cc0"} and red["grid_thw"][0] == 1
