@@ -2,10 +2,13 @@
 manifest that ties tokenizer, shards and mixture weights together for the loader.
 
 manifest.json (written last; its presence with "complete": true marks a finished run):
-    version, complete, fingerprint (of the config that made it), tokenizer, vocab_size,
-    special_tokens, pack {seq_len, max_docs_per_row}, vision {patch_size, merge_size,
-    frames_per_chunk}, sources [{name, modality, weight, shards [{prefix, docs, tokens, rows,
-    images, videos}]}] with shard prefixes relative to the manifest's folder.
+    version, complete, fingerprint (of the config that made it), data (that config's settings
+    that change the data: name, sources, filters, ...), kept_documents (input documents in the
+    shards; 0: nothing survived, and tokenizer, vocab_size are null and sources have no shards),
+    tokenizer, vocab_size, special_tokens, pack {seq_len, max_docs_per_row}, vision
+    {patch_size, merge_size, frames_per_chunk}, sources [{name, modality, weight, shards
+    [{prefix, docs, tokens, rows, images, videos}]}] with shard prefixes relative to the
+    manifest's folder. Readers ignore keys they do not know, so new keys can be added.
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ from .tokenize_shards import SYNTHETIC_SOURCE, tokenizer_path
 from .tokenizer import SPECIAL_TOKENS
 
 MANIFEST_VERSION = 1
-RUN_SETTINGS = ("output_dir", "resume", "progress", "executor")  # do not change the data
+RUN_SETTINGS = ("output_dir", "resume", "overwrite", "use_prepared", "progress", "verbose",
+                "executor")  # do not change the data
+
+
+def data_settings(cfg: DataConfig) -> dict:
+    """Everything in the config that changes the output data."""
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_SETTINGS}
+    d["executor_tasks"] = cfg.executor.tasks  # shard layout
+    return d
 
 
 def fingerprint(cfg: DataConfig) -> str:
-    """Hash of everything in the config that changes the output data."""
-    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_SETTINGS}
-    d["executor_tasks"] = cfg.executor.tasks  # shard layout
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(data_settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _shards_and_docs(out: Path) -> tuple[list[dict], dict[str, list[dict]]]:
@@ -125,15 +133,18 @@ def write_quarantine(out: Path) -> int:
 def build_manifest(out: Path, cfg: DataConfig) -> dict:
     from .tokenizer import load_tokenizer
 
-    _, shards = _shards_and_docs(out)
+    docs, shards = _shards_and_docs(out)
+    tokenizer = tokenizer_path(out)
     weights = {s.name: s.weight for s in cfg.sources} | {SYNTHETIC_SOURCE: cfg.long_docs.weight}
     modalities = {s.name: s.modality for s in cfg.sources} | {SYNTHETIC_SOURCE: "text"}
     return {
         "version": MANIFEST_VERSION,
         "complete": True,
         "fingerprint": fingerprint(cfg),
-        "tokenizer": tokenizer_path(out).name,
-        "vocab_size": load_tokenizer(tokenizer_path(out)).get_vocab_size(),
+        "data": data_settings(cfg),
+        "kept_documents": sum(1 for d in docs if d["origin"] == "input"),
+        "tokenizer": tokenizer.name if tokenizer.exists() else None,
+        "vocab_size": load_tokenizer(tokenizer).get_vocab_size() if tokenizer.exists() else None,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
         "pack": dataclasses.asdict(cfg.pack),
         "vision": {"patch_size": cfg.image.patch_size, "merge_size": cfg.image.merge_size,
@@ -154,6 +165,7 @@ def timings_path(out: Path) -> Path:
 def finalize_run(out: Path, cfg: DataConfig) -> dict:
     """Summary, quarantine and (last) the manifest; returns the summary."""
     timings = json.loads(timings_path(out).read_text()) if timings_path(out).exists() else {}
+    (out / "ledger").mkdir(exist_ok=True)  # there even when no record left the pipeline
     summary = build_summary(out, timings)
     write_quarantine(out)
     write_json(out / "summary.json", summary)

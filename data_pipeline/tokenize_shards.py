@@ -9,6 +9,7 @@ with n = the merged-token count of the picture's patch grid (model.vision.vision
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Iterator
@@ -48,7 +49,8 @@ def kept_texts(work_dir: str) -> Iterator[str]:
 
 
 class TokenizerStep(PipelineStep):
-    """Trains the byte-level BPE on the kept corpus, or copies the configured tokenizer file."""
+    """Trains the byte-level BPE on the kept corpus, or copies the configured tokenizer file.
+    When no document was kept there is no tokenizer (and nothing to tokenize)."""
 
     name = "tokenizer"
     type = "TOKENIZE"
@@ -64,12 +66,16 @@ class TokenizerStep(PipelineStep):
         if data:
             yield from data
         target = tokenizer_path(self.output_dir)
+        texts = kept_texts(self.work_dir)
+        first = next(texts, None)
+        if first is None:
+            return
         with self.track_time():
             if self.cfg.path is not None:
                 load_tokenizer(resolve_path(self.cfg.path))  # checks the special-token ids
                 shutil.copyfile(resolve_path(self.cfg.path), target)
             else:
-                tok = train_tokenizer(kept_texts(self.work_dir), self.cfg.vocab_size,
+                tok = train_tokenizer(itertools.chain([first], texts), self.cfg.vocab_size,
                                       self.cfg.min_frequency, self.progress)
                 tok.save(str(target))
 
@@ -94,6 +100,10 @@ class TokenizeToShards(PipelineStep):
         self.output_dir = output_dir
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        if not tokenizer_path(self.output_dir).exists():  # TokenizerStep found nothing kept
+            if next(iter(data), None) is not None:
+                raise RuntimeError(f"documents to tokenize but no {tokenizer_path('.')}")
+            return
         tok = load_tokenizer(tokenizer_path(self.output_dir))
         vocab = tok.get_vocab_size()
         writers: dict[str, ShardWriter] = {}
@@ -117,10 +127,12 @@ class TokenizeToShards(PipelineStep):
                                                 k3_detail=f"{len(ids)} tokens > {seq_len}")
                             ledger.write(doc, rank)
                             continue
-                        writer(doc.metadata["source"]).add(
-                            doc.id, doc.metadata["origin"], doc.metadata["modality"],
-                            np.asarray(ids), offset, doc.metadata.get("grid_thw"),
-                            [m.media_bytes for m in doc.media], doc.text)
+                        meta = doc.metadata
+                        writer(meta["source"]).add(
+                            doc.id, meta["origin"], meta["modality"], np.asarray(ids), offset,
+                            meta.get("grid_thw"), [m.media_bytes for m in doc.media], doc.text,
+                            {"file": meta.get("file"), "line": meta.get("line"),
+                             "record_id": meta.get("orig_id")})
                         self.stat_update("tokens", value=len(ids))
                         written.append(doc)
                 yield from written

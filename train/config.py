@@ -86,6 +86,7 @@ class LoggingConfig:
     wandb_project: str = "k3"
     wandb_entity: str | None = None
     plot: bool = True  # loss/throughput PNG at the end
+    verbose: bool = False  # datatrove's and megatron's INFO logs while preparing data
 
 
 @dataclass
