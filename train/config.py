@@ -14,6 +14,8 @@ from data_pipeline.config import DataConfig, StageConfig
 from data_pipeline.pipeline import is_prepared
 from model.config import ConfigError, K3Config, k3_tiny
 
+from .startup_checks import check_betas, check_model_matches_data, check_no_secrets
+
 __all__ = ["ConfigError", "TrainConfig", "validate_train_config"]
 
 
@@ -182,6 +184,7 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
     if not 0 <= o.min_lr_ratio <= 1:
         _fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    check_betas(o.betas)
     if not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", o.betas, "each must be in [0, 1)")
     p = cfg.parallel
@@ -239,4 +242,6 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be > 0")
     if cfg.max_nonfinite_in_a_row <= 0:
         _fail("max_nonfinite_in_a_row", cfg.max_nonfinite_in_a_row, "must be > 0")
+    check_no_secrets(cfg)
+    check_model_matches_data(cfg)
     return cfg

@@ -17,6 +17,7 @@ from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
 
 from .activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 from .checkpoint import Checkpointer
+from .checkpoint_integrity import resume_checkpoint
 from .config import TrainConfig, validate_train_config
 from .data import build_loader
 from .distributed import DistEnv, all_reduce_sum, init_distributed, shutdown
@@ -96,9 +97,10 @@ def train(cfg: TrainConfig) -> int:
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
                         env.world_size)
     step = 0
-    latest = ckpt.latest() if cfg.checkpoint.resume else None
+    latest, fallbacks = resume_checkpoint(ckpt) if cfg.checkpoint.resume else (None, [])
     if latest is not None:
-        step = ckpt.load(latest, model, optimizers, lambda s: loader.load_state_dict(s["loader"]))
+        step = ckpt.load(latest, model, optimizers, lambda s: loader.load_state_dict(s["loader"]),
+                         verified=True)
         log.info("resumed from %s at step %d", latest, step)
     metrics = MetricsLogger(run_dir, env.rank, cfg.logging, cfg.steps, step,
                             run_config=asdict(cfg))
