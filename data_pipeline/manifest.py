@@ -5,7 +5,8 @@ manifest.json (written last; its presence with "complete": true marks a finished
     version, complete, fingerprint (of the config that made it), tokenizer, vocab_size,
     special_tokens, pack {seq_len, max_docs_per_row}, vision {patch_size, merge_size,
     frames_per_chunk}, sources [{name, modality, weight, shards [{prefix, docs, tokens, rows,
-    images, videos}]}] with shard prefixes relative to the manifest's folder.
+    images, videos}]}] with shard prefixes relative to the manifest's folder, validation (the
+    held-out split, validation_split.py: the same form, natural proportions).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .config import DataConfig
 from .records import read_jsonl, read_ledger, write_json
 from .tokenize_shards import SYNTHETIC_SOURCE, tokenizer_path
 from .tokenizer import SPECIAL_TOKENS
+from .validation_split import VALIDATION_DIR
 
 MANIFEST_VERSION = 1
 RUN_SETTINGS = ("output_dir", "resume", "progress", "executor")  # do not change the data
@@ -35,10 +37,11 @@ def fingerprint(cfg: DataConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _shards_and_docs(out: Path) -> tuple[list[dict], dict[str, list[dict]]]:
+def _shards_and_docs(out: Path, folder: str = "shards") -> tuple[list[dict],
+                                                                  dict[str, list[dict]]]:
     shards: dict[str, list[dict]] = defaultdict(list)
     docs = []
-    for stats_path in sorted((out / "shards").glob("*/*.json")):
+    for stats_path in sorted((out / folder).glob("*/*.json")):
         prefix = stats_path.with_suffix("")
         shards[stats_path.parent.name].append({
             "prefix": str(prefix.relative_to(out)), **json.loads(stats_path.read_text())})
@@ -54,7 +57,8 @@ def build_summary(out: Path, timings: dict[str, dict]) -> dict:
         by_source[r["source"]].update(records=r["records"], bytes=r["bytes"])
     ledger = [rec for rec in read_ledger(out) if rec["origin"] == "input"]
     docs, shards = _shards_and_docs(out)
-    kept_input = [d for d in docs if d["origin"] == "input"]
+    held_out_docs, held_out = _shards_and_docs(out, VALIDATION_DIR)
+    kept_input = [d for d in docs + held_out_docs if d["origin"] == "input"]
     outcomes: dict[str, Counter] = {o: Counter() for o in ("filtered", "duplicate",
                                                             "quarantined")}
     by_stage: dict[str, Counter] = defaultdict(Counter)
@@ -84,6 +88,8 @@ def build_summary(out: Path, timings: dict[str, dict]) -> dict:
             "by_source": {name: {k: sum(s[k] for s in ss)
                                  for k in ("docs", "tokens", "rows", "images", "videos")}
                           for name, ss in sorted(shards.items())},
+            "validation": {k: sum(s[k] for ss in held_out.values() for s in ss)
+                           for k in ("docs", "tokens", "rows")},
         },
         "timing": _throughput(timings, input_records, input_bytes, _curated_count(out)),
     }
@@ -126,6 +132,7 @@ def build_manifest(out: Path, cfg: DataConfig) -> dict:
     from .tokenizer import load_tokenizer
 
     _, shards = _shards_and_docs(out)
+    _, held_out = _shards_and_docs(out, VALIDATION_DIR)
     weights = {s.name: s.weight for s in cfg.sources} | {SYNTHETIC_SOURCE: cfg.long_docs.weight}
     modalities = {s.name: s.modality for s in cfg.sources} | {SYNTHETIC_SOURCE: "text"}
     return {
@@ -140,6 +147,9 @@ def build_manifest(out: Path, cfg: DataConfig) -> dict:
                    "frames_per_chunk": cfg.image.frames_per_chunk},
         "sources": [{"name": name, "modality": modalities[name], "weight": weights[name],
                      "shards": ss} for name, ss in sorted(shards.items())],
+        "validation": [{"name": name, "modality": modalities[name], "weight": None,
+                        "shards": ss}
+                       for name, ss in sorted(held_out.items())],
     }
 
 

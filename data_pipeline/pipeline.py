@@ -8,7 +8,7 @@
 
 Stages hand over through files under output_dir, so each stage can be a Slurm job array that
 depends on the previous one. Output layout: ledger/, counts/, work/, logs/, shards/,
-tokenizer.json, summary.json, quarantine.jsonl, manifest.json.
+validation/ (the held-out split), tokenizer.json, summary.json, quarantine.jsonl, manifest.json.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from .rephrase import Rephrase
 from .tokenize_shards import TokenizerStep, TokenizeToShards
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RUN_OUTPUTS = ("ledger", "counts", "work", "logs", "shards", "tokenizer.json", "summary.json",
-               "quarantine.jsonl", "manifest.json")
+RUN_OUTPUTS = ("ledger", "counts", "work", "logs", "shards", "validation", "tokenizer.json",
+               "summary.json", "quarantine.jsonl", "manifest.json")
 
 
 def stages(cfg: DataConfig, out: str) -> list[tuple[str, list[PipelineStep], int]]:

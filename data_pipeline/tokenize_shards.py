@@ -27,6 +27,7 @@ from .longdoc import generate_long_document
 from .records import LedgerWriter
 from .shards import ShardWriter
 from .tokenizer import EOD_ID, IMAGE_ID, VIDEO_ID, load_tokenizer, train_tokenizer
+from .validation_split import VALIDATION_DIR, is_held_out
 
 SYNTHETIC_SOURCE = "synthetic_long"
 ENCODE_BATCH = 256
@@ -96,13 +97,13 @@ class TokenizeToShards(PipelineStep):
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         tok = load_tokenizer(tokenizer_path(self.output_dir))
         vocab = tok.get_vocab_size()
-        writers: dict[str, ShardWriter] = {}
+        writers: dict[tuple[str, str], ShardWriter] = {}
 
-        def writer(source: str) -> ShardWriter:
-            if source not in writers:
-                prefix = Path(self.output_dir) / "shards" / source / f"{rank:05d}"
-                writers[source] = ShardWriter(prefix, vocab)
-            return writers[source]
+        def writer(source: str, folder: str = "shards") -> ShardWriter:
+            if (folder, source) not in writers:
+                prefix = Path(self.output_dir) / folder / source / f"{rank:05d}"
+                writers[folder, source] = ShardWriter(prefix, vocab)
+            return writers[folder, source]
 
         seq_len = self.cfg.pack.seq_len
         with LedgerWriter(self.output_dir, "tokenize") as ledger:
@@ -117,10 +118,13 @@ class TokenizeToShards(PipelineStep):
                                                 k3_detail=f"{len(ids)} tokens > {seq_len}")
                             ledger.write(doc, rank)
                             continue
-                        writer(doc.metadata["source"]).add(
+                        media = [m.media_bytes for m in doc.media]
+                        held_out = is_held_out(doc.text, media, self.cfg.validation_fraction)
+                        folder = VALIDATION_DIR if held_out else "shards"
+                        writer(doc.metadata["source"], folder).add(
                             doc.id, doc.metadata["origin"], doc.metadata["modality"],
                             np.asarray(ids), offset, doc.metadata.get("grid_thw"),
-                            [m.media_bytes for m in doc.media], doc.text)
+                            media, doc.text)
                         self.stat_update("tokens", value=len(ids))
                         written.append(doc)
                 yield from written
