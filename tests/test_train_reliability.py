@@ -8,9 +8,11 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import numpy as np
 import pytest
+import wandb
 
 from data_pipeline.dedup import load_duplicates
 from data_pipeline.validation_split import is_held_out
@@ -92,10 +94,12 @@ def test_wandb_and_metrics_hold_each_step_once_after_a_resume(tmp_path):
     for step in range(1, 7):
         first.log(_row(step, loss=10.0 + step))
     first.finish(None)
+    time.sleep(1.1)  # W&B names an offline run's folder by the second it started in
     second = MetricsLogger(tmp_path, 0, cfg, 8, resume_step=4, run_config={})
     for step in range(5, 9):
         second.log(_row(step, loss=float(step)))
     second.finish(None)
+    wandb.teardown()  # the W&B service writes the run file on its own time: wait for it
     expected = {1: 11.0, 2: 12.0, 3: 13.0, 4: 14.0, 5: 5.0, 6: 6.0, 7: 7.0, 8: 8.0}
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 9))
