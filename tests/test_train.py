@@ -21,6 +21,7 @@ from tests.train_helpers import (
     train_env,
     wait_for,
 )
+from train.checkpoint_integrity import verify
 from train.wandb_records import read_history, run_id
 
 pytestmark = pytest.mark.slow
@@ -85,11 +86,11 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, sample_data_
 
 
 def test_two_rank_data_parallel_matches_one_rank(tmp_path, sample_data_dir):
-    """Training loss and the validation loss (held-out split, eval.every) alike."""
-    args = [*FAST, "steps=4", "checkpoint.every=0", "checkpoint.save_at_end=false",
-            "eval.every=2", "eval.batches=2"]
+    """Training loss and the validation loss (held-out split, eval.every) alike; the two ranks'
+    checkpoint verifies against the checksums they wrote together."""
+    args = [*FAST, "steps=4", "checkpoint.every=0", "eval.every=2", "eval.batches=2"]
     one = tmp_path / "one"
-    run_train(one, sample_data_dir, *args)
+    run_train(one, sample_data_dir, *args, "checkpoint.save_at_end=false")
     two = tmp_path / "two"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                 f"--master-port={free_port()}"]
@@ -106,6 +107,9 @@ def test_two_rank_data_parallel_matches_one_rank(tmp_path, sample_data_dir):
     assert sorted(val_a) == sorted(val_b) == [2, 4]
     for step in val_a:
         assert abs(val_a[step] - val_b[step]) <= 1e-5 * abs(val_a[step]), (step, val_a, val_b)
+    ckpt = two / "checkpoints" / "step_00000004"
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert verify(ckpt) == []
 
 
 def test_wandb_offline_history_and_resume_keeps_the_run_id(tmp_path, sample_data_dir):
