@@ -137,6 +137,17 @@ def test_every_config_error_stops_at_start_up_with_exit_code_2(tmp_path, sample_
     assert message in out.stderr, out.stderr[-2000:]
     assert SECRET not in out.stderr + out.stdout
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    saved = [p for p in run.rglob("*") if p.is_file()] if run.exists() else []
+    assert not [p for p in saved if SECRET.encode() in p.read_bytes()]  # .hydra/overrides.yaml
+
+
+def test_credential_names_are_told_apart_from_ordinary_environment_names():
+    from train.startup_checks import SECRET_NAME
+
+    for name in ("WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "APIKEY"):
+        assert SECRET_NAME.search(name), name
+    for name in ("TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "OMP_NUM_THREADS", "WANDB_PROJECT"):
+        assert not SECRET_NAME.search(name), name
 
 
 def test_held_out_documents_are_chosen_by_content_hash():

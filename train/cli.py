@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from model.config import ConfigError
 
 from .config import TrainConfig
-from .startup_checks import check_known_keys
+from .startup_checks import check_known_keys, check_no_secret_overrides
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("k3.train")
@@ -101,6 +101,11 @@ def hydra_exit_codes(main) -> None:
 
 
 def train_main() -> None:
+    try:
+        check_no_secret_overrides(sys.argv[1:])
+    except ConfigError as e:
+        print(f"k3-train: config error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     hydra_exit_codes(_hydra_main)
 
 

@@ -18,8 +18,10 @@ from data_pipeline.manifest import manifest_path
 from data_pipeline.pipeline import is_prepared
 from model.config import ConfigError
 
-# Environment names whose values are credentials: never into job scripts or saved configs.
-SECRET_NAME = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+# Environment names whose values are credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY;
+# not TOKENIZERS_PARALLELISM): never into job scripts or saved configs.
+SECRET_NAME = re.compile(r"(^|_)(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$)",
+                         re.IGNORECASE)
 
 
 def unknown_keys(cfg: DictConfig, path: str = "") -> list[str]:
@@ -100,11 +102,24 @@ def check_betas(betas) -> None:
                           "[beta1, beta2], e.g. [0.9, 0.95]")
 
 
+def _refuse_secret(name: str) -> None:
+    if SECRET_NAME.search(name):
+        raise ConfigError(
+            f"slurm.env.{name} is invalid: a credential there would be written into the job "
+            f"script and the saved config. Export {name} in the shell that runs k3-submit "
+            "(sbatch passes the environment on) or use `wandb login` (~/.netrc)")
+
+
 def check_no_secrets(cfg) -> None:
     for name in cfg.slurm.env:
-        if SECRET_NAME.search(name):
-            raise ConfigError(
-                f"slurm.env.{name} is invalid: a credential there would be written into the job "
-                f"script and the saved config. Export {name} in the shell that runs k3-submit "
-                "(sbatch passes the environment on) or use `wandb login` (~/.netrc)")
+        _refuse_secret(name)
+
+
+def check_no_secret_overrides(argv: list[str]) -> None:
+    """The same check on the command line, before Hydra saves the overrides in the run
+    directory (.hydra/overrides.yaml)."""
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if "=" in arg and key.startswith("slurm.env."):
+            _refuse_secret(key[len("slurm.env."):])
 
