@@ -94,11 +94,11 @@ def verify(ckpt: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     Collective; every rank returns the same list."""
     try:
         table = json.loads((ckpt / CHECKSUMS).read_text())["files"]
+        mine = [_problem(ckpt / name, table[name]) for name in sorted(table)[rank::world_size]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{ckpt / CHECKSUMS}: missing or unreadable ({e})"]  # same on every rank
-    names = sorted(table)
-    mine = [_problem(ckpt / name, table[name]) for name in names[rank::world_size]]
-    return sorted(_all_gather([p for p in mine if p is not None]))
+        mine = [f"{ckpt / CHECKSUMS}: missing or unreadable ({e})"]
+    # One gather on every path, so that ranks which read different things still agree.
+    return sorted(set(_all_gather([p for p in mine if p is not None])))
 
 
 def check(ckpt: Path, rank: int = 0, world_size: int = 1) -> None:
