@@ -37,10 +37,14 @@ def _model_and_optimizer(mb: int):
     return model, opt
 
 
-def _timed(fn) -> float:
+def _timed(fn, *args) -> float:
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - t0
+
+
+def _ignore(rank_state: dict) -> None:
+    pass
 
 
 def main() -> None:
@@ -55,13 +59,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         ckpt = Checkpointer(root, keep_last=1)
         for step in range(1, args.repeats + 1):
-            times["save (incl. checksums)"].append(_timed(
-                lambda: ckpt.save(step, model, [opt], {"loader": {}})))
+            times["save (incl. checksums)"].append(
+                _timed(ckpt.save, step, model, [opt], {"loader": {}}))
             path = ckpt.latest()
-            times["write checksums"].append(_timed(lambda: write_checksums(path)))
-            times["verify"].append(_timed(lambda: verify(path)))
-            times["load (verified)"].append(_timed(
-                lambda: ckpt.load(path, model, [opt], lambda s: None)))
+            times["write checksums"].append(_timed(write_checksums, path))
+            times["verify"].append(_timed(verify, path))
+            times["load (verified)"].append(_timed(ckpt.load, path, model, [opt], _ignore))
         size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
     median = {k: statistics.median(v) for k, v in times.items()}
     base = median["save (incl. checksums)"]
