@@ -77,7 +77,8 @@ def saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layer
 def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Layout,
                      checkpointing: bool) -> float:
     """Activations kept for backward on one GPU: a stage's share of `saved_after_forward`
-    (no vocabulary-sized logits: the loss is chunked) for each of up to `pipeline` micro-batches
+    (the head as configured: with the chunked loss no vocabulary-sized logits remain, with
+    `loss_chunk_tokens=0` the fp32 logits are counted) for each of up to `pipeline` micro-batches
     that 1F1B keeps in flight on the first stage, plus one layer's recomputation with activation
     checkpointing. Tensor parallelism splits heads, and sequence parallelism the rest, across
     its ranks."""
