@@ -35,7 +35,7 @@ class VisionAttention(nn.Module):
                 cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Non-causal attention within each image / video chunk of the packed [P, hidden] x:
         the packed sequence is one row of segment_attention, so no P x P mask is formed."""
-        heads = (x.shape[0], self.num_heads, self.head_dim)
+        heads = (x.shape[0], -1, self.head_dim)  # local heads when q/k/v are head-sharded
         q = apply_axial_rope(self.q_proj(x).view(heads), angles)
         k = apply_axial_rope(self.k_proj(x).view(heads), angles)
         v = self.v_proj(x).view(heads)
