@@ -45,6 +45,7 @@ SUB_TILE = 16
 SAFE_LOWER_BOUND = -5.0
 _TILE_REF = SUB_TILE // 2 - 1  # the reference row: exponents within [8, -7] * lower_bound
 _EXP_FLOOR = -80.0
+_BLOCK_ELEMENTS = 2 ** 20
 _BACKENDS = ("auto", "torch", "fla")
 
 
@@ -361,90 +362,122 @@ class _BoundedIntraChunk(torch.autograd.Function):
     """_intra_chunk for a gate with a safe lower bound (q not yet scaled): the decayed scores are
     one dense matmul per row tile of two factors (see the module docstring). It keeps its inputs,
     Akk and the WY inverse for the backward, which recomputes the factors; the other
-    intermediates of the forward never outlive it."""
+    intermediates never outlive a block of chunks: both passes run over blocks of about
+    _BLOCK_ELEMENTS elements per [.., C, K] tensor (all chunks of a block at once), so that
+    temporaries stay in cache and in the allocator's reused memory."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, lower_bound, masks: _SegmentMasks | None):
-        G = g.clamp(min=lower_bound).cumsum_(-2)
-        _, rows, key_decay = _tile_factors(q, k, G, lower_bound)
-        scores = rows @ key_decay.mul_(k.unsqueeze(-3)).mT  # [.., n, 2t, C]
-        del rows, key_decay
-        lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
-        Aqk = _from_tiles(scores[..., :SUB_TILE, :]).mul_(scale).masked_fill_(~lower, 0.0)
-        Akk = _from_tiles(scores[..., SUB_TILE:, :]).masked_fill_(~strictly_lower, 0.0)
-        del scores
-        # (I + Diag(beta) Akk)^-1, unit lower triangular; U and W are then plain matmuls.
-        inverse = _unit_lower_inverse(beta * Akk)
-        weighted = inverse * beta.mT  # = inverse @ Diag(beta)
-        U = weighted @ v
-        G_exp = _decay(G.clone())
-        W = weighted @ (k * G_exp)
-        q_decayed = G_exp.mul_(q).mul_(scale)
-        G_last = G[..., -1:, :]
-        k_to_end = _decay(G_last - G).mul_(k)
-        chunk_decay = _decay(G_last.clone())
-        if masks is not None:
-            W.mul_(masks.continues)
-            q_decayed.mul_(masks.continues)
-            k_to_end.mul_(masks.in_last)
-            chunk_decay.mul_(masks.continues[:, -1:])
-        ctx.save_for_backward(q, k, v, g, beta, Akk, inverse)
+        inputs = (q, k, v, g, beta)
+        outputs = _by_blocks(_bounded_forward, inputs, (), scale, lower_bound, masks)
+        ctx.save_for_backward(*inputs, *outputs[-2:])  # Akk, inverse
         ctx.scale, ctx.lower_bound, ctx.masks = scale, lower_bound, masks
-        return Aqk, U, W, q_decayed, k_to_end, chunk_decay
+        return tuple(outputs[:-2])
 
     @staticmethod
-    def backward(ctx, dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay):
-        q, k, v, g, beta, Akk, inverse = ctx.saved_tensors
-        scale, lower_bound, masks = ctx.scale, ctx.lower_bound, ctx.masks
-        if masks is not None:  # a masked output passes no gradient
-            dW = dW * masks.continues
-            dq_decayed = dq_decayed * masks.continues
-            dk_to_end = dk_to_end * masks.in_last
-            dchunk_decay = dchunk_decay * masks.continues[:, -1:]
-        G = g.clamp(min=lower_bound).cumsum_(-2)
-        G_exp = _decay(G.clone())
-        G_last = G[..., -1:, :]
-        # U = weighted V, W = weighted (k exp(G)), weighted = inverse Diag(beta).
-        weighted = inverse * beta.mT
-        k_decayed = k * G_exp
-        dweighted = torch.matmul(dU, v.mT).add_(dW @ k_decayed.mT)
-        dv = weighted.mT @ dU
-        dk_decayed = weighted.mT @ dW
-        del weighted
-        dbeta = (dweighted * inverse).sum(-2).unsqueeze(-1)
-        # inverse = M^-1 with M = I + Diag(beta) Akk: dL/dM = -inverse^T dL/dinverse inverse^T.
-        dM = inverse.mT @ dweighted.mul_(beta.mT) @ inverse.mT
-        dbeta -= (dM * Akk).sum(-1, keepdim=True)
-        lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
-        dAkk = dM.mul_(-beta).masked_fill_(~strictly_lower, 0.0)
-        dAqk = (dAqk * scale).masked_fill_(~lower, 0.0)
-        del dM, dweighted
-        # scores = rows @ keys^T per row tile, with the references held constant: the scores
-        # depend on Gc only through differences, so that gradient is exact.
-        row, rows, key_decay = _tile_factors(q, k, G, lower_bound)
-        dscores = torch.stack([_to_tiles(dAqk), _to_tiles(dAkk)], dim=-3).flatten(-3, -2)
-        del dAqk, dAkk
-        drows = dscores @ (key_decay * k.unsqueeze(-3))  # [.., n, 2t, K]
-        dk_keys = (dscores.mT @ rows).mul_(key_decay).sum(-3)  # [.., C, K]
-        del dscores, key_decay
-        drows, rows = drows.unflatten(-2, (2, SUB_TILE)), rows.unflatten(-2, (2, SUB_TILE))
-        dG = _from_tiles((drows * rows).sum(-3)).addcmul_(dk_keys, k, value=-1)
-        dq = _from_tiles(drows[..., 0, :, :] * row)
-        dk = _from_tiles(drows[..., 1, :, :] * row).add_(dk_keys)
-        del drows, rows, row, dk_keys
-        # q_decayed = scale q exp(G), k exp(G) in W, k_to_end = k exp(G_last - G), exp(G_last).
-        dq.addcmul_(dq_decayed, G_exp, value=scale)
-        dk.addcmul_(dk_decayed, G_exp)
-        dG.addcmul_(dk_decayed, k_decayed)
-        dG.addcmul_(dq_decayed, G_exp.mul_(q), value=scale)
-        to_end = _decay(G_last - G)
-        dk.addcmul_(dk_to_end, to_end)
-        dto_end = dk_to_end.mul_(to_end).mul_(k)  # d(G_last - G)
-        dG.sub_(dto_end)
-        dG[..., -1:, :] += dto_end.sum(-2, keepdim=True) + dchunk_decay * _decay(G_last.clone())
-        # G = cumsum(clamp(g)): reverse cumsum, and no gradient where the clamp held.
-        dg = dG.flip(-2).cumsum_(-2).flip(-2).masked_fill_(g < lower_bound, 0.0)
-        return dq, dk, dv, dg, dbeta, None, None, None
+    def backward(ctx, *grads):
+        grads = _by_blocks(_bounded_backward, ctx.saved_tensors, grads, ctx.scale,
+                           ctx.lower_bound, ctx.masks)
+        return *grads, None, None, None
+
+
+def _by_blocks(fn, tensors, more, scale, lower_bound, masks):
+    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together."""
+    B, H, NC, C, K = tensors[0].shape
+    step = max(1, _BLOCK_ELEMENTS // (B * H * C * K))
+    results = None
+    for start in range(0, NC, step):
+        block = slice(start, min(start + step, NC))
+        block_masks = None if masks is None else _SegmentMasks(
+            masks.same[block], masks.continues[block], masks.in_last[block])
+        parts = fn(*(x[:, :, block] for x in (*tensors, *more)), scale, lower_bound, block_masks)
+        if results is None:
+            results = [x.new_empty(B, H, NC, *x.shape[3:]) for x in parts]
+        for result, part in zip(results, parts):
+            result[:, :, block] = part
+    return results
+
+
+def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
+    """Returns Aqk, U, W, q exp(Gc), exp(Gc_last - Gc) k, exp(Gc_last), Akk and the inverse."""
+    G = g.clamp(min=lower_bound).cumsum_(-2)
+    _, rows, key_decay = _tile_factors(q, k, G, lower_bound)
+    scores = rows @ key_decay.mul_(k.unsqueeze(-3)).mT  # [.., n, 2t, C]
+    del rows, key_decay
+    lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
+    Aqk = _from_tiles(scores[..., :SUB_TILE, :]).mul_(scale).masked_fill_(~lower, 0.0)
+    Akk = _from_tiles(scores[..., SUB_TILE:, :]).masked_fill_(~strictly_lower, 0.0)
+    del scores
+    # (I + Diag(beta) Akk)^-1, unit lower triangular; U and W are then plain matmuls.
+    inverse = _unit_lower_inverse(beta * Akk)
+    weighted = inverse * beta.mT  # = inverse @ Diag(beta)
+    U = weighted @ v
+    G_exp = _decay(G.clone())
+    W = weighted @ (k * G_exp)
+    q_decayed = G_exp.mul_(q).mul_(scale)
+    G_last = G[..., -1:, :]
+    k_to_end = _decay(G_last - G).mul_(k)
+    chunk_decay = _decay(G_last.clone())
+    if masks is not None:
+        W.mul_(masks.continues)
+        q_decayed.mul_(masks.continues)
+        k_to_end.mul_(masks.in_last)
+        chunk_decay.mul_(masks.continues[:, -1:])
+    return Aqk, U, W, q_decayed, k_to_end, chunk_decay, Akk, inverse
+
+
+def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, dk_to_end,
+                      dchunk_decay, scale, lower_bound, masks):
+    """Gradients of q, k, v, g and beta from those of _bounded_forward's first six outputs."""
+    if masks is not None:  # a masked output passes no gradient
+        dW = dW * masks.continues
+        dq_decayed = dq_decayed * masks.continues
+        dk_to_end = dk_to_end * masks.in_last
+        dchunk_decay = dchunk_decay * masks.continues[:, -1:]
+    G = g.clamp(min=lower_bound).cumsum_(-2)
+    G_exp = _decay(G.clone())
+    G_last = G[..., -1:, :]
+    # U = weighted V, W = weighted (k exp(G)), weighted = inverse Diag(beta).
+    weighted = inverse * beta.mT
+    k_decayed = k * G_exp
+    dweighted = torch.matmul(dU, v.mT).add_(dW @ k_decayed.mT)
+    dv = weighted.mT @ dU
+    dk_decayed = weighted.mT @ dW
+    del weighted
+    dbeta = (dweighted * inverse).sum(-2).unsqueeze(-1)
+    # inverse = M^-1 with M = I + Diag(beta) Akk: dL/dM = -inverse^T dL/dinverse inverse^T.
+    dM = inverse.mT @ dweighted.mul_(beta.mT) @ inverse.mT
+    dbeta -= (dM * Akk).sum(-1, keepdim=True)
+    lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
+    dAkk = dM.mul_(-beta).masked_fill_(~strictly_lower, 0.0)
+    dAqk = (dAqk * scale).masked_fill_(~lower, 0.0)
+    del dM, dweighted
+    # scores = rows @ keys^T per row tile, with the references held constant: the scores
+    # depend on Gc only through differences, so that gradient is exact.
+    row, rows, key_decay = _tile_factors(q, k, G, lower_bound)
+    dscores = torch.stack([_to_tiles(dAqk), _to_tiles(dAkk)], dim=-3).flatten(-3, -2)
+    del dAqk, dAkk
+    dk_keys = (dscores.mT @ rows).mul_(key_decay).sum(-3)  # [.., C, K]
+    drows = dscores @ key_decay.mul_(k.unsqueeze(-3))  # [.., n, 2t, K]
+    del dscores, key_decay
+    drows, rows = drows.unflatten(-2, (2, SUB_TILE)), rows.unflatten(-2, (2, SUB_TILE))
+    dG = _from_tiles((drows * rows).sum(-3)).addcmul_(dk_keys, k, value=-1)
+    dq = _from_tiles(drows[..., 0, :, :] * row)
+    dk = _from_tiles(drows[..., 1, :, :] * row).add_(dk_keys)
+    del drows, rows, row, dk_keys
+    # q_decayed = scale q exp(G), k exp(G) in W, k_to_end = k exp(G_last - G), exp(G_last).
+    dq.addcmul_(dq_decayed, G_exp, value=scale)
+    dk.addcmul_(dk_decayed, G_exp)
+    dG.addcmul_(dk_decayed, k_decayed)
+    dG.addcmul_(dq_decayed, G_exp.mul_(q), value=scale)
+    to_end = _decay(G_last - G)
+    dk.addcmul_(dk_to_end, to_end)
+    dto_end = dk_to_end.mul_(to_end).mul_(k)  # d(G_last - G)
+    dG.sub_(dto_end)
+    dG[..., -1:, :] += dto_end.sum(-2, keepdim=True) + dchunk_decay * _decay(G_last.clone())
+    # G = cumsum(clamp(g)): reverse cumsum, and no gradient where the clamp held.
+    dg = dG.flip(-2).cumsum_(-2).flip(-2).masked_fill_(g < lower_bound, 0.0)
+    return dq, dk, dv, dg, dbeta
 
 
 def _tile_factors(q, k, G, lower_bound):
