@@ -34,7 +34,6 @@ in the backward.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -268,7 +267,7 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     if not output_final_state:
         return o, None
     if cu_seqlens is None:
-        return o, chunk_end_states[-1]
+        return o, chunk_end_states
     return o, _doc_final_states(chunk_end_states, initial_state, layout)
 
 
@@ -530,40 +529,89 @@ def _unit_lower_inverse(A):
 
 def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layout):
     """Carries the state across chunks (the only sequential part). Returns the output chunks
-    [B, H, NC, C, V] and the state after each chunk [NC, B, H, K, V]."""
+    [B, H, NC, C, V] and the state after each chunk [B, H, NC, K, V] for packed documents, after
+    the last chunk [B, H, K, V] for rows."""
     B, H, _, _, K = W.shape
     state = U.new_zeros(B, H, K, U.shape[-1])
-    starts = inits = itertools.repeat(None)
+    starts = inits = None
     if layout.chunk_doc is None:
         if initial_state is not None:
             state = initial_state.float()
     else:  # a chunk that starts a document loads that document's initial state
-        starts = layout.chunk_starts_doc.unbind(0)
+        starts = layout.chunk_starts_doc
         if initial_state is None:
-            inits = itertools.repeat(state.new_zeros(()))
+            inits = state.new_zeros(())
         else:
-            inits = initial_state.float().index_select(0, layout.chunk_doc).unsqueeze(1).unbind(0)
-    start_states, new_values, end_states = [], [], []
-    # unbind, not x[:, :, c]: the backward of NC slices would build NC full-size zero gradients.
-    per_chunk = (x.unbind(2) for x in (U, W, chunk_decay, k_to_end))
-    for u, w, decay, k_end, start, init in zip(*per_chunk, starts, inits):
-        if start is not None:
-            state = torch.where(start, init, state)
-        start_states.append(state)
-        vn = u - w @ state
-        new_values.append(vn)
-        state = decay.mT * state + k_end.mT @ vn
-        end_states.append(state)
-    start_states = torch.stack(start_states, dim=2)
-    new_values = torch.stack(new_values, dim=2)
-    o = q_decayed @ start_states + Aqk @ new_values
-    return o, torch.stack(end_states)
+            inits = initial_state.float().index_select(0, layout.chunk_doc).unsqueeze(1)
+    start_states, new_values, end_states = _StatePass.apply(
+        U, W, k_to_end, chunk_decay, state, inits, starts)
+    o = torch.matmul(q_decayed, start_states).add_(Aqk @ new_values)
+    return o, end_states
+
+
+class _StatePass(torch.autograd.Function):
+    """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c]),
+    Vn_c = U_c - W_c S_c and S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Returns every S_c and
+    Vn_c [B, H, NC, ., V], and the states after the chunks (all of them where documents start
+    inside, else the last). Written into preallocated buffers, no per-chunk autograd graph; the
+    backward runs the loop in reverse with two matmuls per chunk and batches the rest."""
+
+    @staticmethod
+    def forward(ctx, U, W, k_to_end, chunk_decay, state, inits, starts):
+        B, H, NC, C, V = U.shape
+        K = W.shape[-1]
+        start_states = U.new_empty(B, H, NC, K, V)
+        new_values = torch.empty_like(U)
+        end_states = U.new_empty(B, H, NC, K, V) if starts is not None else None
+        for c in range(NC):
+            if starts is not None:
+                state = torch.where(starts[c], inits[c], state)
+            start_states[:, :, c] = state
+            vn = torch.sub(U[:, :, c], W[:, :, c] @ state, out=new_values[:, :, c])
+            state = (chunk_decay[:, :, c].mT * state).add_(k_to_end[:, :, c].mT @ vn)
+            if starts is not None:
+                end_states[:, :, c] = state
+        if starts is None:
+            end_states = state
+        ctx.save_for_backward(W, k_to_end, chunk_decay, start_states, new_values, starts)
+        ctx.inits_shape = None if inits is None else inits.shape
+        return start_states, new_values, end_states
+
+    @staticmethod
+    def backward(ctx, dstart_states, dnew_values, dend_states):
+        W, k_to_end, chunk_decay, start_states, new_values, starts = ctx.saved_tensors
+        NC = new_values.shape[2]
+        dvalues = torch.empty_like(new_values)  # the whole gradient of each Vn_c
+        dnext = torch.empty_like(start_states)  # that of the state after each chunk
+        dinits = None
+        if ctx.needs_input_grad[5]:
+            dinits = start_states.new_zeros(ctx.inits_shape)
+        if starts is None:
+            dstate = dend_states.clone()
+        else:
+            dstate = torch.zeros_like(dend_states[:, :, 0])
+        for c in reversed(range(NC)):
+            if starts is not None:
+                dstate += dend_states[:, :, c]
+            dnext[:, :, c] = dstate
+            dvn = torch.add(dnew_values[:, :, c], k_to_end[:, :, c] @ dstate,
+                            out=dvalues[:, :, c])
+            dstate = (chunk_decay[:, :, c].mT * dstate).add_(dstart_states[:, :, c])
+            dstate.sub_(W[:, :, c].mT @ dvn)
+            if starts is not None:  # a loaded initial state cuts the carried one off
+                if dinits is not None:
+                    dinits[c] = torch.where(starts[c], dstate, 0.0)
+                dstate = torch.where(starts[c], 0.0, dstate)
+        dW = (dvalues @ start_states.mT).neg_()
+        dk_to_end = new_values @ dnext.mT
+        dchunk_decay = (dnext * start_states).sum(-1).unsqueeze(-2)
+        return dvalues, dW, dk_to_end, dchunk_decay, dstate, dinits, None
 
 
 def _doc_final_states(chunk_end_states, initial_state, layout):
     """The state after each document's last chunk ([N, H, K, V]); a document without tokens
     keeps its initial state."""
-    final = chunk_end_states.index_select(0, layout.doc_last_chunk).squeeze(1)
+    final = chunk_end_states.index_select(2, layout.doc_last_chunk)[0].transpose(0, 1)
     if initial_state is None:
         before = final.new_zeros(())
     else:
