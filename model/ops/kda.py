@@ -543,69 +543,71 @@ def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layo
             inits = state.new_zeros(())
         else:
             inits = initial_state.float().index_select(0, layout.chunk_doc).unsqueeze(1)
-    start_states, new_values, end_states = _StatePass.apply(
-        U, W, k_to_end, chunk_decay, state, inits, starts)
-    o = torch.matmul(q_decayed, start_states).add_(Aqk @ new_values)
-    return o, end_states
+    return _StatePass.apply(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts)
 
 
 class _StatePass(torch.autograd.Function):
     """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c]),
-    Vn_c = U_c - W_c S_c and S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Returns every S_c and
-    Vn_c [B, H, NC, ., V], and the states after the chunks (all of them where documents start
-    inside, else the last). Written into preallocated buffers, no per-chunk autograd graph; the
-    backward runs the loop in reverse with two matmuls per chunk and batches the rest."""
+    Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
+    S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
+    in cache; results go to preallocated buffers (no per-chunk autograd graph), and the backward
+    runs the loop in reverse from the saved S_c and Vn_c."""
 
     @staticmethod
-    def forward(ctx, U, W, k_to_end, chunk_decay, state, inits, starts):
+    def forward(ctx, Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
         B, H, NC, C, V = U.shape
         K = W.shape[-1]
         start_states = U.new_empty(B, H, NC, K, V)
         new_values = torch.empty_like(U)
+        o = torch.empty_like(U)
         end_states = U.new_empty(B, H, NC, K, V) if starts is not None else None
         for c in range(NC):
             if starts is not None:
                 state = torch.where(starts[c], inits[c], state)
             start_states[:, :, c] = state
             vn = torch.sub(U[:, :, c], W[:, :, c] @ state, out=new_values[:, :, c])
+            o[:, :, c] = torch.matmul(q_decayed[:, :, c], state).add_(Aqk[:, :, c] @ vn)
             state = (chunk_decay[:, :, c].mT * state).add_(k_to_end[:, :, c].mT @ vn)
             if starts is not None:
                 end_states[:, :, c] = state
-        if starts is None:
-            end_states = state
-        ctx.save_for_backward(W, k_to_end, chunk_decay, start_states, new_values, starts)
+        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values,
+                              starts)
         ctx.inits_shape = None if inits is None else inits.shape
-        return start_states, new_values, end_states
+        return o, state if starts is None else end_states
 
     @staticmethod
-    def backward(ctx, dstart_states, dnew_values, dend_states):
-        W, k_to_end, chunk_decay, start_states, new_values, starts = ctx.saved_tensors
+    def backward(ctx, do, dend_states):
+        Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values, starts = \
+            ctx.saved_tensors
         NC = new_values.shape[2]
-        dvalues = torch.empty_like(new_values)  # the whole gradient of each Vn_c
-        dnext = torch.empty_like(start_states)  # that of the state after each chunk
+        dAqk, dq_decayed = torch.empty_like(Aqk), torch.empty_like(q_decayed)
+        dU, dW, dk_to_end = torch.empty_like(new_values), torch.empty_like(W), torch.empty_like(W)
+        dchunk_decay = torch.empty_like(chunk_decay)
         dinits = None
-        if ctx.needs_input_grad[5]:
+        if ctx.needs_input_grad[7]:
             dinits = start_states.new_zeros(ctx.inits_shape)
         if starts is None:
-            dstate = dend_states.clone()
+            dstate = dend_states.clone()  # the gradient of the state after chunk c
         else:
             dstate = torch.zeros_like(dend_states[:, :, 0])
         for c in reversed(range(NC)):
             if starts is not None:
                 dstate += dend_states[:, :, c]
-            dnext[:, :, c] = dstate
-            dvn = torch.add(dnew_values[:, :, c], k_to_end[:, :, c] @ dstate,
-                            out=dvalues[:, :, c])
-            dstate = (chunk_decay[:, :, c].mT * dstate).add_(dstart_states[:, :, c])
+            state, vn, do_c = start_states[:, :, c], new_values[:, :, c], do[:, :, c]
+            dAqk[:, :, c] = do_c @ vn.mT
+            dq_decayed[:, :, c] = do_c @ state.mT
+            dk_to_end[:, :, c] = vn @ dstate.mT
+            dchunk_decay[:, :, c] = (dstate * state).sum(-1).unsqueeze(-2)
+            dvn = torch.matmul(Aqk[:, :, c].mT, do_c).add_(k_to_end[:, :, c] @ dstate)
+            dU[:, :, c] = dvn
+            dW[:, :, c] = (dvn @ state.mT).neg_()
+            dstate = (chunk_decay[:, :, c].mT * dstate).add_(q_decayed[:, :, c].mT @ do_c)
             dstate.sub_(W[:, :, c].mT @ dvn)
             if starts is not None:  # a loaded initial state cuts the carried one off
                 if dinits is not None:
                     dinits[c] = torch.where(starts[c], dstate, 0.0)
                 dstate = torch.where(starts[c], 0.0, dstate)
-        dW = (dvalues @ start_states.mT).neg_()
-        dk_to_end = new_values @ dnext.mT
-        dchunk_decay = (dnext * start_states).sum(-1).unsqueeze(-2)
-        return dvalues, dW, dk_to_end, dchunk_decay, dstate, dinits, None
+        return dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay, dstate, dinits, None
 
 
 def _doc_final_states(chunk_end_states, initial_state, layout):
