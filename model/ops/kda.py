@@ -44,7 +44,7 @@ SUB_TILE = 16
 SAFE_LOWER_BOUND = -5.0
 _TILE_REF = SUB_TILE // 2 - 1  # the reference row: exponents within [8, -7] * lower_bound
 _EXP_FLOOR = -80.0
-_BLOCK_ELEMENTS = 2 ** 20
+_BLOCK_ELEMENTS = 2 ** 16
 _BACKENDS = ("auto", "torch", "fla")
 
 
@@ -222,9 +222,12 @@ def _docs_layout(cu_seqlens: torch.Tensor, T: int, chunk: int) -> _ChunkLayout:
 
 
 def _to_chunks(x: torch.Tensor, layout: _ChunkLayout, chunk: int) -> torch.Tensor:
-    """[B, T, H, ...] -> contiguous [B, H, num_chunks, C, ...] fp32, zeros where no token lands.
-    One copy: every fresh tensor of this size costs page faults on CPU."""
+    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32, zeros where no token lands. A view
+    where whole chunks cover T (matmuls take the strided rows), else one copy: every fresh
+    tensor of this size costs page faults on CPU."""
     B, T, H, *rest = x.shape
+    if layout.token_index is None and T == layout.num_chunks * chunk:
+        return x.float().unflatten(1, (layout.num_chunks, chunk)).movedim(3, 1)
     x = x.float().transpose(1, 2)
     if layout.token_index is None:
         padded = x.new_empty(B, H, layout.num_chunks * chunk, *rest)
