@@ -44,7 +44,7 @@ SUB_TILE = 16
 SAFE_LOWER_BOUND = -5.0
 _TILE_REF = SUB_TILE // 2 - 1  # the reference row: exponents within [8, -7] * lower_bound
 _EXP_FLOOR = -80.0
-_BLOCK_ELEMENTS = 2 ** 16
+_BLOCK_ELEMENTS = 2 ** 18
 _BACKENDS = ("auto", "torch", "fla")
 
 
