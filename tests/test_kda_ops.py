@@ -221,6 +221,19 @@ def test_packed_documents_equal_each_document_alone(lengths, lower_bound):
     assert_all_close(run(kda_recurrent, inputs, cot, cu_seqlens=cu_seqlens), packed)
 
 
+@both_forms
+def test_packed_documents_final_states_without_initial_states(lower_bound):
+    lengths = (5, 150, 30, 17)
+    T = sum(lengths)
+    cu_seqlens = cu_seqlens_from_lengths([list(lengths)], T)
+    inputs = make_inputs(B=1, T=T)
+    cot = cotangents_for(inputs, len(lengths))
+    ref = run(kda_recurrent, inputs, cot, cu_seqlens=cu_seqlens)
+    got = run(functools.partial(kda_chunk, lower_bound=lower_bound), inputs, cot,
+              cu_seqlens=cu_seqlens)
+    assert_all_close(ref, got)
+
+
 # Training's case (no states in or out): documents share chunks and are separated by masks.
 # Several documents inside one chunk, one over several chunks, empty slots as the loader pads.
 @both_forms

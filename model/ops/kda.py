@@ -24,11 +24,12 @@ the row tile, both factors <= 1. Terms that underflow to 0 are below fp32 resolu
 
 With a gate bounded below by lower_bound in [-5, 0) (K3's gate), a 16-token sub-tile decays by at
 most exp(16 lower_bound) >= exp(-80), so every score factorises with the reference R_a = Gc at
-row 7 of row tile a: x_i exp(Gc_i - R_a) and k_j exp(R_a - Gc_j), both within exp(+-40) for j up
-to the end of tile a (earlier tiles carry exp(R_a - R_b) <= 1 on the key side). Each row tile is
-then one dense matmul against all keys, no [t, t, K] pairwise tensor. That path is a custom
-autograd function that keeps only its inputs, Akk and the WY inverse, and recomputes the factors
-in the backward.
+row 7 of row tile a: x_i exp(Gc_i - R_a) (within exp(+-40)) times k_j exp(R_a - Gc_j) (at most
+exp(40) up to the end of tile a, <= 1 before it, where it is floored at exp(-80): such a term
+stays below exp(-45)). Each row tile is then one dense matmul against all keys of the chunk, no
+[t, t, K] pairwise tensor. That form is a custom autograd function over blocks of chunks that
+keeps only its inputs, Akk and the WY inverse, and recomputes the factors in its backward.
+The state pass (both forms) is one too: it saves the state entering each chunk and Vn.
 """
 
 from __future__ import annotations
@@ -542,16 +543,14 @@ def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layo
             state = initial_state.float()
     else:  # a chunk that starts a document loads that document's initial state
         starts = layout.chunk_starts_doc
-        if initial_state is None:
-            inits = state.new_zeros(())
-        else:
+        if initial_state is not None:
             inits = initial_state.float().index_select(0, layout.chunk_doc).unsqueeze(1)
     return _StatePass.apply(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts)
 
 
 class _StatePass(torch.autograd.Function):
-    """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c]),
-    Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
+    """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c],
+    zeros without inits), Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
     S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
     in cache; results go to preallocated buffers (no per-chunk autograd graph), and the backward
     runs the loop in reverse from the saved S_c and Vn_c."""
@@ -566,7 +565,7 @@ class _StatePass(torch.autograd.Function):
         end_states = U.new_empty(B, H, NC, K, V) if starts is not None else None
         for c in range(NC):
             if starts is not None:
-                state = torch.where(starts[c], inits[c], state)
+                state = torch.where(starts[c], 0.0 if inits is None else inits[c], state)
             start_states[:, :, c] = state
             vn = torch.sub(U[:, :, c], W[:, :, c] @ state, out=new_values[:, :, c])
             o[:, :, c] = torch.matmul(q_decayed[:, :, c], state).add_(Aqk[:, :, c] @ vn)
