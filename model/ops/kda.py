@@ -262,7 +262,8 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
         layout = _docs_layout(cu_seqlens, T, chunk)
     qc, kc, vc, gc = (_to_chunks(x, layout, chunk) for x in (q, k, v, g))
     bc = _to_chunks(beta.unsqueeze(-1), layout, chunk)
-    if lower_bound is None:
+    if lower_bound is None:  # contiguous: elementwise results would keep a view's strides
+        qc, kc, vc, gc, bc = (x.contiguous() for x in (qc, kc, vc, gc, bc))
         prepared = _intra_chunk(qc * scale, kc, vc, gc, bc, masks)  # scale in fp32, after the cast
     else:
         prepared = _BoundedIntraChunk.apply(qc, kc, vc, gc, bc, scale, lower_bound, masks)
@@ -393,7 +394,10 @@ def _by_blocks(fn, tensors, more, scale, lower_bound, masks):
         block = slice(start, min(start + step, NC))
         block_masks = None if masks is None else _SegmentMasks(
             masks.same[block], masks.continues[block], masks.in_last[block])
-        parts = fn(*(x[:, :, block] for x in (*tensors, *more)), scale, lower_bound, block_masks)
+        # Contiguous blocks: elementwise results keep their inputs' strides, and matmuls copy
+        # operands whose rows are not contiguous.
+        parts = fn(*(x[:, :, block].contiguous() for x in (*tensors, *more)), scale, lower_bound,
+                   block_masks)
         if results is None:
             results = [x.new_empty(B, H, NC, *x.shape[3:]) for x in parts]
         for result, part in zip(results, parts):
