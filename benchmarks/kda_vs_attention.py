@@ -12,14 +12,18 @@ torch's CPU allocator returns large blocks to the OS, so this tracks real use; t
 see torch's allocations and a parent-process RSS mixes measurements, hence one process each.
 Time is the median of --repeats runs after that first (warm-up) run; kda_recurrent (a Python
 loop over tokens, with nothing to warm up) is timed on that first run unless
---recurrent-repeats is set, so its speed-up is the time of one full pass over the same T tokens
-divided by kda_chunk's median.
+--recurrent-repeats is set.
 
-Matmul peak: each subprocess first times a 1024 x 1024 x 1024 fp32 matmul on its thread (best of
-5), right before its own measurement, so a shared machine's load hits both alike. The chunk
-form's FLOPs are counted analytically (chunk_flops: every matmul and triangular solve it runs,
-forward and backward, masked entries included) and checked against torch's FlopCounterMode,
-which counts the matmuls but not the triangular solves.
+The machine is shared, and its load changes within minutes, so the two headline ratios are
+measured side by side in one process. Speed-up over the recurrence: the kda_recurrent worker,
+right after its timed pass, runs kda_chunk on inputs of the same shapes (a warm-up and
+--repeats timed runs) and reports recurrent time / median chunk time. Share of the matmul peak:
+around every timed run the worker times a 1024 x 1024 x 1024 fp32 matmul on its thread (best of
+2 before and 2 after); each run's FLOP rate is divided by the mean of its two neighbouring peaks
+and the median over the runs is shown. The chunk form's FLOPs are counted analytically
+(chunk_flops: every matmul and triangular solve it runs, forward and backward, masked entries
+included) and checked against torch's FlopCounterMode, which counts the matmuls but not the
+triangular solves.
 """
 
 from __future__ import annotations
@@ -99,12 +103,10 @@ def chunk_flops(T: int, H: int, K: int, V: int, C: int = CHUNK, solves: bool = T
     (Q exp(G)) S and Aqk Vn (2 C K V + 2 C^2 V). Backward: two matmuls for each of the state
     pass's and the output's (12 C K V + 4 C^2 V), then the custom backward: dweighted, dV and
     d(k exp(G)) (4 C^2 V + 4 C^2 K), dM (two C^3 matmuls: 4 C^3), dkeys and drows (8 C^2 K).
-    Without states in or out the first chunk's zero state needs no gradient and the last
-    chunk's state update no backward: 6 C K V less per head.
     """
     fwd = 6 * C * C * K + 4 * C * C * V + 6 * C * K * V + (C ** 3 if solves else 0)
     bwd = 12 * C * K * V + 8 * C * C * V + 12 * C * C * K + 4 * C ** 3
-    return ((fwd + bwd) * -(-T // C) - 6 * C * K * V) * H
+    return (fwd + bwd) * -(-T // C) * H
 
 
 def counted_flops(T: int, args) -> int:
@@ -131,11 +133,23 @@ def matmul_peak_gflops(n: int = 1024, tries: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
+def timed_runs(step, repeats: int) -> list[tuple[float, float]]:
+    """(seconds, mean matmul peak just before and after) for each of `repeats` runs."""
+    runs = []
+    peak_before = matmul_peak_gflops(tries=2)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+        peak_after = matmul_peak_gflops(tries=2)
+        runs.append((seconds, (peak_before + peak_after) / 2))
+        peak_before = peak_after
+    return runs
+
+
 def measure(method: str, T: int, args) -> dict:
-    """Runs inside the worker subprocess. The matmul peak is the best seen before and between
-    the runs (a conservative reference on a loaded machine)."""
+    """Runs inside the worker subprocess."""
     torch.set_num_threads(args.threads)
-    peak_gflops = matmul_peak_gflops()
     step = make_step(method, T, args)
     before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -143,16 +157,15 @@ def measure(method: str, T: int, args) -> dict:
     first_s = time.perf_counter() - start
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb
     repeats = args.recurrent_repeats if method == "kda_recurrent" else args.repeats
-    times = []
-    for _ in range(repeats):
-        peak_gflops = max(peak_gflops, matmul_peak_gflops(tries=2))
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak_gflops = max(peak_gflops, matmul_peak_gflops())
-    return {"time_s": statistics.median(times) if times else first_s,
-            "timed_runs": max(len(times), 1), "peak_mib": peak_kb / 1024,
-            "matmul_peak_gflops": peak_gflops}
+    runs = timed_runs(step, repeats)
+    result = {"time_s": statistics.median(s for s, _ in runs) if runs else first_s,
+              "timed_runs": max(len(runs), 1), "peak_mib": peak_kb / 1024, "runs": runs}
+    if method == "kda_recurrent":  # kda_chunk side by side, right after
+        chunk_step = make_step("kda_chunk", T, args)
+        chunk_step()
+        result["chunk_after_s"] = statistics.median(
+            s for s, _ in timed_runs(chunk_step, args.repeats))
+    return result
 
 
 def run_worker(method: str, T: int, argv: list[str]) -> dict:
@@ -195,17 +208,20 @@ def print_table(results: dict, args) -> None:
             t_ratio = f"{r['time_s'] / base['time_s']:.2f}x"
             m_ratio = f"{r['peak_mib'] / base['peak_mib']:.2f}x" if base["peak_mib"] > 0 else "-"
             rate = share = "-"
+            peak = f"{statistics.median(p for _, p in r['runs']):.1f}" if r["runs"] else "-"
             if method == "kda_chunk":
-                gflops = chunk_flops(T, H, D, D) / r["time_s"] / 1e9
-                rate, share = f"{gflops:.1f}", f"{gflops / r['matmul_peak_gflops']:.0%}"
+                flops = chunk_flops(T, H, D, D)
+                rate = f"{flops / r['time_s'] / 1e9:.1f}"
+                share = f"{statistics.median(flops / s / 1e9 / p for s, p in r['runs']):.0%}"
             print(f"{T:>7} {method:<16} {r['time_s']:>9.3f} {r['peak_mib']:>11.1f} "
-                  f"{t_ratio:>12} {m_ratio:>14} {rate:>8} {r['matmul_peak_gflops']:>8.1f} "
-                  f"{share:>8}")
-    print("\nkda_chunk speed-up over kda_recurrent (recurrent time / chunk time, same T):")
+                  f"{t_ratio:>12} {m_ratio:>14} {rate:>8} {peak:>8} {share:>8}")
+    print("\nkda_chunk speed-up over kda_recurrent, side by side in the recurrent's worker "
+          "(its pass / kda_chunk's median right after):")
     for T in args.T:
         if ("kda_recurrent", T) in results:
-            speedup = results[("kda_recurrent", T)]["time_s"] / results[("kda_chunk", T)]["time_s"]
-            print(f"  T={T:>6}: {speedup:.1f}x")
+            r = results[("kda_recurrent", T)]
+            print(f"  T={T:>6}: {r['time_s'] / r['chunk_after_s']:.1f}x  "
+                  f"({r['time_s']:.2f} s / {r['chunk_after_s']:.3f} s)")
     print("\ngrowth exponents (slope of log y vs log T over the measured T):")
     for method in (m for m in METHODS if m in args.methods):
         measured = [T for T in args.T if (method, T) in results]
