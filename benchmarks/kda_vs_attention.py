@@ -15,9 +15,10 @@ loop over tokens, with nothing to warm up) is timed on that first run unless
 --recurrent-repeats is set.
 
 The machine is shared, and its load changes within minutes, so the two headline ratios are
-measured side by side in one process. Speed-up over the recurrence: the kda_recurrent worker,
-right after its timed pass, runs kda_chunk on inputs of the same shapes (a warm-up and
---repeats timed runs) and reports recurrent time / median chunk time. Share of the matmul peak:
+measured side by side in one process. Speed-up over the recurrence: a separate worker runs
+kda_chunk (a warm-up and --repeats timed runs), one kda_recurrent pass, kda_chunk again
+(--repeats runs), all on inputs of the same shapes, and reports the recurrent time / the median
+of the chunk runs around it. Share of the matmul peak:
 around every timed run the worker times a 1024 x 1024 x 1024 fp32 matmul on its thread (best of
 2 before and 2 after); each run's FLOP rate is divided by the mean of its two neighbouring peaks
 and the median over the runs is shown. The chunk form's FLOPs are counted analytically
@@ -160,12 +161,21 @@ def measure(method: str, T: int, args) -> dict:
     runs = timed_runs(step, repeats)
     result = {"time_s": statistics.median(s for s, _ in runs) if runs else first_s,
               "timed_runs": max(len(runs), 1), "peak_mib": peak_kb / 1024, "runs": runs}
-    if method == "kda_recurrent":  # kda_chunk side by side, right after
-        chunk_step = make_step("kda_chunk", T, args)
-        chunk_step()
-        result["chunk_after_s"] = statistics.median(
-            s for s, _ in timed_runs(chunk_step, args.repeats))
     return result
+
+
+def measure_speedup(T: int, args) -> dict:
+    """Runs inside its own worker: kda_chunk runs around one kda_recurrent pass."""
+    torch.set_num_threads(args.threads)
+    chunk_step = make_step("kda_chunk", T, args)
+    recurrent_step = make_step("kda_recurrent", T, args)
+    chunk_step()
+    chunk_s = [s for s, _ in timed_runs(chunk_step, args.repeats)]
+    start = time.perf_counter()
+    recurrent_step()
+    recurrent_s = time.perf_counter() - start
+    chunk_s += [s for s, _ in timed_runs(chunk_step, args.repeats)]
+    return {"recurrent_s": recurrent_s, "chunk_s": statistics.median(chunk_s)}
 
 
 def run_worker(method: str, T: int, argv: list[str]) -> dict:
@@ -215,13 +225,13 @@ def print_table(results: dict, args) -> None:
                 share = f"{statistics.median(flops / s / 1e9 / p for s, p in r['runs']):.0%}"
             print(f"{T:>7} {method:<16} {r['time_s']:>9.3f} {r['peak_mib']:>11.1f} "
                   f"{t_ratio:>12} {m_ratio:>14} {rate:>8} {peak:>8} {share:>8}")
-    print("\nkda_chunk speed-up over kda_recurrent, side by side in the recurrent's worker "
-          "(its pass / kda_chunk's median right after):")
+    print("\nkda_chunk speed-up over kda_recurrent, side by side in one worker (one recurrent "
+          "pass / the median of the kda_chunk runs before and after it):")
     for T in args.T:
-        if ("kda_recurrent", T) in results:
-            r = results[("kda_recurrent", T)]
-            print(f"  T={T:>6}: {r['time_s'] / r['chunk_after_s']:.1f}x  "
-                  f"({r['time_s']:.2f} s / {r['chunk_after_s']:.3f} s)")
+        if ("speedup", T) in results:
+            r = results[("speedup", T)]
+            print(f"  T={T:>6}: {r['recurrent_s'] / r['chunk_s']:.1f}x  "
+                  f"({r['recurrent_s']:.2f} s / {r['chunk_s']:.3f} s)")
     print("\ngrowth exponents (slope of log y vs log T over the measured T):")
     for method in (m for m in METHODS if m in args.methods):
         measured = [T for T in args.T if (method, T) in results]
@@ -267,7 +277,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         method, T = args.worker
-        print(json.dumps(measure(method, int(T), args)))
+        if method == "speedup":
+            print(json.dumps(measure_speedup(int(T), args)))
+        else:
+            print(json.dumps(measure(method, int(T), args)))
         return
     if "kda_chunk" not in args.methods:
         raise SystemExit("--methods must include kda_chunk (every ratio is against it)")
@@ -279,6 +292,10 @@ def main(argv=None) -> None:
                 continue
             results[(method, T)] = run_worker(method, T, argv)
             print(f"  measured {method} T={T}: {results[(method, T)]}", file=sys.stderr,
+                  flush=True)
+        if "kda_recurrent" in args.methods and T <= args.max_recurrent_T:
+            results[("speedup", T)] = run_worker("speedup", T, argv)
+            print(f"  measured speedup T={T}: {results[('speedup', T)]}", file=sys.stderr,
                   flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     print_table(results, args)
