@@ -181,7 +181,7 @@ class ContextParallel:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[...] -> [F, ...]: every rank's x, with gradients returned by reduce-scatter."""
-        out = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=0, group=self.group)
+        out = funcol.all_gather_single_autograd(x.contiguous(), gather_dim=0, group=self.group)
         return out.view(self.size, *x.shape)
 
     def _segments(self, tokens: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ layer and the whole k3_tiny (3 AdamW steps) against one process on the same data
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -199,42 +200,56 @@ def _kda_states_case(context, fragment, F):
 
 
 def _model_case(cfg, cp_group, dp_cp_group, fragment, F, dp_rank, dp):
-    """k3_tiny, 3 AdamW steps: CP (x DP) against one process on the global batch of every
-    step (the dp replicas' rows together)."""
+    """k3_tiny, 3 AdamW steps of one process on the global batch of every step (the dp
+    replicas' rows together); before each step the CP (x DP) model takes the one-process
+    parameters and balancer state and runs the replicas' fragments: its loss equals the one
+    process's to 1e-5 and its gradients to 1e-5 or, where fp32 itself is less certain, to twice
+    the distance between two exact one-process gradients (`twin`: KDA chunks of 16 instead of
+    32). That floor matters for A_h only: its gradient sums every token and channel of a head
+    with heavy cancellation (the two one-process runs are 2.5e-5 apart at the second step).
+
+    The CP model does not follow its own AdamW trajectory here: two exact one-process runs that
+    differ only in the chunk size part by a 7% expert gradient after one step (rounding moves a
+    token's top-k choice or its Quantile Balancing bin), so no layout could match a free run."""
     torch.manual_seed(0)
     reference = K3Model(cfg)
+    twin = K3Model(dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, chunk_size=16)))
     model = K3Model(cfg)
-    model.load_state_dict(reference.state_dict())
     apply_context_parallel(model, cp_group)
-    for moe in model.moe_layers():
-        moe.balancer.reduce_fn = functools.partial(_all_reduce, group=dp_cp_group)
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (reference, model)]
+    opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     for step in range(3):
+        for m in (twin, model):
+            m.load_state_dict(reference.state_dict())
         replicas = [make_batch(seed=100 * step + r) for r in range(dp)]
         whole = K3Batch(torch.cat([b.tokens for b in replicas]),
                         torch.cat([b.labels for b in replicas]),
                         cu_seqlens_from_lengths(ROWS * dp, T))
-        out = reference(whole)
-        ref_loss = out.loss_sum / out.num_tokens
-        ref_loss.backward()
-        fill_missing_gradients(reference)
-
+        ref_loss, _ = (_loss_and_grads(m, whole) for m in (reference, twin))
         shard = shard_batch(replicas[dp_rank], fragment, F)
-        tokens = loss_token_count([shard], dp_cp_group)
-        loss = model(shard).loss_sum / tokens.squeeze()
+        loss = model(shard).loss_sum / loss_token_count([shard], dp_cp_group).squeeze()
         loss.backward()
         fill_missing_gradients(model)
         allreduce_gradients(model, dp_cp_group)
-        total = _all_reduce(loss.detach().clone(), dp_cp_group)
+        total = _all_reduce(loss.detach(), dp_cp_group)
         what = f"k3_tiny CP{F} x DP{dp} step {step}"
         assert rel_rms(ref_loss, total) <= EXACT_TOL, (what, float(ref_loss), float(total))
-        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
-            assert_close_rms(p_ref.grad, p.grad, EXACT_TOL, f"{what} {name}")
-        for m, opt in zip((reference, model), opts):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            for moe in m.moe_layers():
-                moe.balancer.update()
+        for (name, p_ref), p_twin, p in zip(reference.named_parameters(), twin.parameters(),
+                                            model.parameters()):
+            floor = rel_rms(p_ref.grad, p_twin.grad)
+            assert_close_rms(p_ref.grad, p.grad, max(EXACT_TOL, 2 * floor), f"{what} {name}")
+        opt.step()
+        for m in (reference, twin, model):
+            m.zero_grad(set_to_none=True)
+        for moe in reference.moe_layers():
+            moe.balancer.update()
+
+
+def _loss_and_grads(model, batch):
+    out = model(batch)
+    loss = out.loss_sum / out.num_tokens
+    loss.backward()
+    fill_missing_gradients(model)
+    return loss.detach()
 
 
 def _all_reduce(t, group):
