@@ -37,7 +37,8 @@ def head_blocks(model: nn.Module) -> dict[str, int]:
     """Per-Head Muon's blocks (SPEC 7): parameter name -> number of row-block heads.
 
     KDA q/k/v projections in head_dim-row blocks, MLA q_b in (q_nope + q_rope)-row blocks and kv_b
-    in (k_nope + v)-row blocks; [H * rows, in] is viewed as [H, rows, in].
+    in (k_nope + v)-row blocks; [H * rows, in] is viewed as [H, rows, in]. Counted from the
+    logical (full) shapes, so a head-sharded model gives the same groups.
     """
     from model.kda import KimiDeltaAttention
     from model.mla import GatedMLA
@@ -46,10 +47,12 @@ def head_blocks(model: nn.Module) -> dict[str, int]:
     for name, module in model.named_modules():
         if isinstance(module, KimiDeltaAttention):
             for proj in ("q_proj", "k_proj", "v_proj"):
-                heads[f"{name}.{proj}.weight"] = module.num_heads
+                rows = getattr(module, proj).weight.shape[0]
+                heads[f"{name}.{proj}.weight"] = rows // module.head_dim
         elif isinstance(module, GatedMLA):
-            heads[f"{name}.q_b.weight"] = module.num_heads
-            heads[f"{name}.kv_b.weight"] = module.num_heads
+            heads[f"{name}.q_b.weight"] = module.q_b.weight.shape[0] // (module.nope + module.rope)
+            heads[f"{name}.kv_b.weight"] = module.kv_b.weight.shape[0] // (module.nope
+                                                                          + module.v_dim)
     return heads
 
 
