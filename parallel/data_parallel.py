@@ -42,11 +42,9 @@ def fill_missing_gradients(model: nn.Module) -> None:
 
 def _units(model: K3Model) -> list[nn.Module]:
     """The modules that reduce (FSDP: gather) their parameters together: each decoder layer,
-    the vision encoder, then the root (embedding, final mix and norm, LM head)."""
-    units = list(model.layers)
-    if model.vision is not None:
-        units.append(model.vision)
-    return units + [model]
+    then the root (embedding, LM head, vision encoder: the vision tower runs on some ranks'
+    batches only, so it shares the root's reduction, which zero-fills unused gradients)."""
+    return [*model.layers.values(), model]
 
 
 def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str) -> None:
@@ -65,6 +63,8 @@ def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str) -> None:
     for unit in _units(model):
         assert isinstance(unit, FSDPModule)
         unit.set_gradient_divide_factor(1.0)  # a sum: see the module docstring
+        # Plain SUM collectives (gloo has no PREMUL_SUM; the factor is 1 anyway).
+        unit.set_force_sum_reduction_for_comms(True)
         # Ranks reach different parameters (images on some ranks only): zero gradients for the
         # others keep every rank's reduction the same size.
         unit.set_reduce_scatter_unused_params(True, recurse=False)

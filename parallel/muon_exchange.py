@@ -20,6 +20,7 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from train.optim.muon import MatrixJob, Orthogonalize
 
@@ -40,7 +41,7 @@ class DTensorExchange:
         for i, pl in enumerate(p.placements):
             keep = (type(pl) is Shard and pl.dim == head_dim and job.num_heads > 1
                     and i < len(names) and names[i] in self.head_dims)
-            if pl.is_shard() and not keep:
+            if isinstance(pl, (Shard, _StridedShard)) and not keep:
                 cut.append(i)
                 gather.append(Replicate())
             else:

@@ -19,8 +19,8 @@ Per module kind:
   full fp32 logits of the whole vocab never exist on one rank.
 
 Attention (and the MLP) run on plain local per-head tensors (`LocalCompute`): torch has no
-DTensor sharding rule for SDPA on CPU, and the KDA ops are ours. The model's modules are told
-their local head count; everything else is unchanged.
+DTensor sharding rule for SDPA on CPU, and the KDA ops are ours. The model's views take the
+head count from the projections' outputs, so the model itself is unchanged.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from model.config import ConfigError
 from model.k3 import K3Model
 from model.kda import KimiDeltaAttention
 from model.mla import GatedMLA
@@ -152,18 +151,6 @@ def mlp_shards() -> dict[str, Placement]:
     return {"gate_up.weight": _StridedShard(0, split_factor=2), "down.weight": Shard(1)}
 
 
-def check_divisible(model: K3Model, tp: int) -> None:
-    """The shapes tensor parallelism splits; ConfigError naming the field."""
-    cfg = model.cfg
-    sizes = {"model.kda.num_heads": cfg.kda.num_heads, "model.mla.num_heads": cfg.mla.num_heads,
-             "model.vocab_size": cfg.vocab_size, "model.dense_intermediate":
-             cfg.dense_intermediate}
-    for field, value in sizes.items():
-        if value % tp:
-            raise ConfigError(f"{field}={value} is invalid: must be divisible by "
-                              f"parallel.tensor={tp}")
-
-
 def _refuse_vision(module, args):
     raise NotImplementedError("image inputs under parallel.tensor > 1 are not supported yet: "
                               "train vision batches with parallel.tensor=1")
@@ -171,26 +158,23 @@ def _refuse_vision(module, args):
 
 def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shards `model` in place over the 1-D tensor-parallel `mesh`."""
-    tp = mesh.size()
-    check_divisible(model, tp)
     act = Shard(1) if sequence_parallel else Replicate()
     head_parallel = dict(param_grad=Partial(), input_grad=Partial(), output=Partial(),
                          activation=act)
     plan: dict[str, ParallelStyle] = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
                                  use_local_output=False),
-        "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
-                                   use_local_output=False),
-        "final_norm": ReplicateParameters(),
-        "out_mix": ReplicateParameters(),
+        "head.output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
+                                       use_local_output=False),
+        "head.norm": ReplicateParameters(),
+        "head.out_mix": ReplicateParameters(),
     }
-    for i, layer in enumerate(model.layers):
-        prefix = f"layers.{i}"
+    for index, layer in model.layers.items():
+        prefix = f"layers.{index}"
         if isinstance(layer.attn, KimiDeltaAttention):
             plan[f"{prefix}.attn"] = LocalCompute(kda_shards(), **head_parallel)
         elif isinstance(layer.attn, GatedMLA):
             plan[f"{prefix}.attn"] = LocalCompute(mla_shards(), **head_parallel)
-        layer.attn.num_heads //= tp  # the forward views use the local head count
         if isinstance(layer.mlp, SiTUGLUMLP):
             plan[f"{prefix}.mlp"] = LocalCompute(mlp_shards(), **head_parallel)
         elif isinstance(layer.mlp, LatentMoE):
@@ -201,6 +185,7 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: b
             if getattr(layer, name) is not None:
                 plan[f"{prefix}.{name}"] = ReplicateParameters()
     parallelize_module(model, mesh, plan)
+    model.head.chunk_tokens = 0  # full (vocab-sharded) logits under loss_parallel
     if not sequence_parallel:
         model.embed.register_forward_hook(lambda module, args, out: _AllReduceGrad.apply(out))
     if model.vision is not None:

@@ -194,10 +194,10 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     if p.expert > 0 and cfg.model.moe.num_experts % p.expert:
         _fail("model.moe.num_experts", cfg.model.moe.num_experts,
               f"must be divisible by parallel.expert={p.expert}")
-    for name in ("tensor", "context", "expert", "pipeline"):
+    for name in ("context", "expert", "expert_tensor", "pipeline"):
         if getattr(p, name) != 1:
             _fail(f"parallel.{name}", getattr(p, name),
-                  "must be 1: only data parallelism is implemented so far")
+                  "must be 1: only data and tensor parallelism are implemented so far")
     if p.backend not in ("auto", "gloo", "nccl"):
         _fail("parallel.backend", p.backend, "must be one of ['auto', 'gloo', 'nccl']")
     dp = p.resolved_data(world_size)
