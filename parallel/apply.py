@@ -1,7 +1,10 @@
 """The one entry from the training loop into parallelism: `parallelize(model, topology, cfg)`.
 
-Order (torchtitan's): tensor/sequence parallelism -> (context, expert parallelism: their own
-plans, later) -> activation checkpointing -> torch.compile -> data parallelism. The returned
+Order (torchtitan's): tensor/sequence parallelism -> context parallelism -> (expert
+parallelism: its own plan, later) -> activation checkpointing -> torch.compile -> data
+parallelism. Context-parallel ranks hold different tokens of one model replica, so for the
+gradients (and ZeRO-1 ownership) they are data-parallel ranks: data parallelism runs over
+dp_shard x cp (torchtitan's dp_shard_cp). The returned
 `ParallelPlan` is everything the loop needs that depends on the layout, so the loop never
 branches on it: the loss context, the optimizer's ownership and Muon exchange, the gradient
 finish and norm, the post-step broadcast, and the reductions over named groups (loss tokens over
@@ -25,6 +28,7 @@ from model.mla import GatedMLA
 from train.optim.muon import LocalExchange, MatrixExchange
 from train.optim.qk_clip import qk_clip_factors
 
+from .context_parallel import ContextParallel, apply_context_parallel, shard_batch
 from .data_parallel import ZeroOneOwnership, apply_data_parallel, fill_missing_gradients
 from .muon_exchange import DTensorExchange
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
@@ -43,6 +47,7 @@ class ParallelPlan:
     zero: ZeroOneOwnership | None = None
     data_parallel: bool = False
     exchange: MatrixExchange = LocalExchange()
+    context: ContextParallel | None = None
 
     def _group(self, name: str):
         return None if self.topology is None else self.topology.group(name)
@@ -50,6 +55,12 @@ class ParallelPlan:
     @property
     def tp(self) -> int:
         return 1 if self.topology is None else self.topology.tp
+
+    def local_batch(self, batch):
+        """This rank's part of a micro-batch: its context-parallel fragment, or all of it."""
+        if self.context is None:
+            return batch
+        return shard_batch(batch, self.context.rank, self.context.size)
 
     def loss_context(self):
         """Wraps forward and backward (vocabulary-parallel cross entropy)."""
@@ -131,31 +142,35 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
     (a TrainConfig)."""
     from train.activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 
-    if topology is not None and topology.pp * topology.cp * topology.ep * topology.etp > 1:
-        raise NotImplementedError("pipeline, context and expert parallelism plug in here; "
-                                  "they are separate plans not applied yet")
+    if topology is not None and topology.pp * topology.ep * topology.etp > 1:
+        raise NotImplementedError("pipeline and expert parallelism plug in here; they are "
+                                  "separate plans not applied yet")
     plan = ParallelPlan(model, topology)
     mesh = None
+    shard_dim = "dp_shard"
     if topology is not None and topology.world_size > 1:
-        mesh = topology.mesh("dp_replicate", "dp_shard", "tp")
+        shard_dim = "dp_shard_cp" if topology.cp > 1 else "dp_shard"
+        mesh = topology.mesh("dp_replicate", shard_dim, "tp")
     if mesh is not None and topology.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel)
+    if mesh is not None and topology.cp > 1:
+        plan.context = apply_context_parallel(model, topology)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, autocast)
     if cfg.compile:
         compile_sublayers(model)
-    if mesh is not None and topology.dp > 1:
+    if mesh is not None and topology.dp * topology.cp > 1:
         mode = topology.data_shard
         if mode != "full" and topology.dp_replicate > 1:
             raise NotImplementedError("parallel.data_replicate > 1 is HSDP: it needs "
                                       "parallel.data_shard=full")
-        dp_mesh = (mesh["dp_replicate", "dp_shard"] if topology.dp_replicate > 1
-                   else mesh["dp_shard"])
+        dp_mesh = (mesh["dp_replicate", shard_dim] if topology.dp_replicate > 1
+                   else mesh[shard_dim])
         apply_data_parallel(model, dp_mesh, mode)
         plan.data_parallel = True
         if mode == "optimizer":
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            plan.zero = ZeroOneOwnership(params, topology.group("dp"))
+            plan.zero = ZeroOneOwnership(params, topology.group("dp_cp"))
     if mesh is not None:
         plan.exchange = DTensorExchange()
     return plan

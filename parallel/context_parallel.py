@@ -29,7 +29,7 @@ The collectives are torch's functional all-gather with autograd: the backward re
 the gradients to the ranks that produced the inputs. Every rank's graph uses the whole gathered
 tensor (the scan runs over all fragments), so every rank joins each backward collective.
 Parameters are replicated over the CP ranks: their gradients are summed over dp x cp, and the
-loss is normalised by the loss tokens of dp x cp (`loss_token_count`).
+loss is normalised by the loss tokens of dp x cp (parallel/apply.py does both).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from model.batch import K3Batch, segment_ids
+from model.batch import K3Batch, VisionInput, segment_ids
 from model.k3 import K3Model
 from model.kda import KimiDeltaAttention
 from model.mla import GatedMLA
@@ -80,10 +80,6 @@ def shard_batch(batch: K3Batch, fragment: int, num_fragments: int) -> ContextSha
     if T % num_fragments:
         raise ValueError(f"sequence length {T} must be divisible by parallel.context="
                          f"{num_fragments} (each rank holds an equal fragment of every row)")
-    if batch.vision is not None:
-        raise ValueError("context parallelism does not take vision inputs yet: the vision "
-                         "tokens of a row would have to be split over the fragments; train "
-                         "with parallel.context=1 on image data")
     L = T // num_fragments
     start = fragment * L
     cu = batch.cu_seqlens
@@ -91,9 +87,26 @@ def shard_batch(batch: K3Batch, fragment: int, num_fragments: int) -> ContextSha
     # (documents outside the fragment become empty), static shapes.
     local_cu = (cu // T) * L + (cu % T - start).clamp(0, L)
     rows = slice(start, start + L)
-    return ContextShard(batch.tokens[:, rows], batch.labels[:, rows], local_cu, None,
+    return ContextShard(batch.tokens[:, rows], batch.labels[:, rows], local_cu,
+                        _fragment_vision(batch.vision, T, start, L),
                         row_segments=segment_ids(cu, B * T).view(B, T), fragment=fragment,
                         num_fragments=num_fragments)
+
+
+def _fragment_vision(vision: VisionInput | None, T: int, start: int, L: int):
+    """Every rank encodes all of the batch's images (their gradients sum over the CP ranks
+    like any replicated parameter's) and keeps the output tokens whose placeholders lie in its
+    fragment. Runs on the loader's CPU batch before the forward: its host sync is not on the
+    model's hot path."""
+    if vision is None:
+        return None
+    rows = vision.output_rows
+    if rows is None:
+        rows = torch.arange(vision.token_positions.shape[0])
+    row, pos = vision.token_positions // T, vision.token_positions % T
+    inside = ((pos >= start) & (pos < start + L)).nonzero().squeeze(1)
+    local = row * L + pos - start
+    return VisionInput(vision.patches, vision.grid_thw, local[inside], rows[inside])
 
 
 def fragment_continues(row_segments: torch.Tensor, num_fragments: int) -> torch.Tensor:
@@ -266,13 +279,3 @@ def apply_context_parallel(model: nn.Module, cp) -> ContextParallel | None:
         model.register_forward_pre_hook(lambda _, args: context.bind(args[0]))
     return context
 
-
-def loss_token_count(batches: list[K3Batch], group=None) -> torch.Tensor:
-    """Loss tokens of the whole step over the group (dp x cp: "dp_cp"), [1] fp32: every rank
-    divides its fragment's summed loss by it, so the gradients summed over dp x cp are the
-    single-process gradient of the global batch."""
-    device = batches[0].labels.device
-    local = sum((b.labels != -100).sum() for b in batches).float().reshape(1).to(device)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(local, group=group)
-    return local

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model.batch import K3Batch, cu_seqlens_from_lengths, segment_ids
+from model.batch import K3Batch, VisionInput, cu_seqlens_from_lengths, segment_ids
 from model.config import k3_tiny
 from model.head import IGNORE_INDEX
 from model.k3 import K3Model
@@ -27,11 +29,11 @@ from parallel.context_parallel import (
     fragment_continues,
     fragment_summary,
     incoming_states,
-    loss_token_count,
     shard_batch,
 )
-from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
+from parallel.data_parallel import fill_missing_gradients
 from tests.tolerances import assert_close_rms, rel_rms
+from tests.train_helpers import FAST, REPO, free_port, losses, run_train, train_cmd, train_env
 
 T = 128
 # Documents that start exactly on a fragment edge (64, 96), end just after one (67) or just
@@ -72,6 +74,20 @@ def test_shard_batch_cuts_every_row_and_rebases_the_documents():
     continues = fragment_continues(global_seg, 4)
     # row 0 starts documents at 64 and 96; row 1's document 31..97 continues into 32 and 64.
     assert continues.tolist() == [[False, False], [True, True], [False, True], [False, True]]
+
+
+def test_shard_batch_keeps_the_vision_tokens_of_its_fragment():
+    batch = make_batch()
+    positions = torch.tensor([5, 30, 31, 32, 33, 130, 200, 255])  # flattened over 2 x 128
+    batch.vision = VisionInput(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), positions)
+    seen = []
+    for f in range(4):
+        s = shard_batch(batch, f, 4)
+        local = s.vision.token_positions
+        back = (local // 32) * T + local % 32 + s.start  # local flattened -> global flattened
+        assert torch.equal(back, positions[s.vision.output_rows])
+        seen += s.vision.output_rows.tolist()
+    assert sorted(seen) == list(range(len(positions)))
 
 
 def test_shard_batch_rejects_what_it_cannot_split():
@@ -174,7 +190,7 @@ def _layer_case(layer_cls, cfg, fragment, F, seed, rank_group):
     what = f"{layer_cls.__name__} CP{F}"
     assert_close_rms(y_ref[:, rows], y, EXACT_TOL, f"{what} output")
     assert_close_rms(x.grad[:, rows], x_local.grad, EXACT_TOL, f"{what} input grad")
-    allreduce_gradients(layer, rank_group)
+    _sum_gradients(layer, rank_group)
     for (name, p_ref), p in zip(reference.named_parameters(), layer.parameters()):
         assert_close_rms(p_ref.grad, p.grad, EXACT_TOL, f"{what} {name}")
 
@@ -226,10 +242,11 @@ def _model_case(cfg, cp_group, dp_cp_group, fragment, F, dp_rank, dp):
                         cu_seqlens_from_lengths(ROWS * dp, T))
         ref_loss, _ = (_loss_and_grads(m, whole) for m in (reference, twin))
         shard = shard_batch(replicas[dp_rank], fragment, F)
-        loss = model(shard).loss_sum / loss_token_count([shard], dp_cp_group).squeeze()
+        tokens = _all_reduce(torch.tensor(float(shard.num_loss_tokens)), dp_cp_group)
+        loss = model(shard).loss_sum / tokens
         loss.backward()
         fill_missing_gradients(model)
-        allreduce_gradients(model, dp_cp_group)
+        _sum_gradients(model, dp_cp_group)
         total = _all_reduce(loss.detach(), dp_cp_group)
         what = f"k3_tiny CP{F} x DP{dp} step {step}"
         assert rel_rms(ref_loss, total) <= EXACT_TOL, (what, float(ref_loss), float(total))
@@ -250,6 +267,13 @@ def _loss_and_grads(model, batch):
     loss.backward()
     fill_missing_gradients(model)
     return loss.detach()
+
+
+def _sum_gradients(model, group):
+    """Parameters are replicated over the CP ranks: each holds part of every gradient."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
 
 
 def _all_reduce(t, group):
@@ -280,3 +304,27 @@ def _world_of_4(rank: int, init_file: str) -> None:
 @pytest.mark.timeout(600)
 def test_cp2_and_cp4_equal_one_process(tmp_path):
     mp.spawn(_world_of_4, args=(str(tmp_path / "init"),), nprocs=4, join=True)
+
+
+# ---- k3-train end to end ----
+
+@pytest.mark.timeout(600)
+def test_k3_train_with_context_2_matches_one_rank(tmp_path, sample_data_dir):
+    """torchrun, 2 ranks, parallel.context=2 (the bundled sample: packed documents and images)
+    against one process: the loss of every step within 1e-5."""
+    one = tmp_path / "one"
+    run_train(one, sample_data_dir, *FAST, "steps=3", "checkpoint.every=0",
+              "checkpoint.save_at_end=false")
+    two = tmp_path / "two"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                f"--master-port={free_port()}"]
+    cmd = launcher + train_cmd(two, sample_data_dir)[1:] + [
+        *FAST, "steps=3", "checkpoint.every=0", "checkpoint.save_at_end=false",
+        "parallel.context=2"]
+    out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True,
+                         timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert abs(a[step] - b[step]) <= EXACT_TOL * abs(a[step]), (step, a[step], b[step])

@@ -56,6 +56,7 @@ def write_marker(path: Path, step: int, env: DistEnv) -> None:
 def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch.device,
                      precision: PrecisionPlan, parallel: ParallelPlan) -> torch.Tensor:
     """Accumulates gradients of the global-token-mean loss; returns the step's mean loss."""
+    micro_batches = [parallel.local_batch(mb) for mb in micro_batches]
     local_tokens = sum(mb.num_loss_tokens for mb in micro_batches)
     global_tokens = parallel.sum_loss_tokens(torch.tensor([float(local_tokens)], device=device))
     loss_sum = torch.zeros((), device=device)
