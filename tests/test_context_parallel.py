@@ -32,6 +32,7 @@ from parallel.context_parallel import (
     shard_batch,
 )
 from parallel.data_parallel import fill_missing_gradients
+from tests.static_shapes import assert_static, record
 from tests.tolerances import assert_close_rms, rel_rms
 from tests.train_helpers import FAST, REPO, free_port, losses, run_train, train_cmd, train_env
 
@@ -195,6 +196,28 @@ def _layer_case(layer_cls, cfg, fragment, F, seed, rank_group):
         assert_close_rms(p_ref.grad, p.grad, EXACT_TOL, f"{what} {name}")
 
 
+def _static_case(cfg, cp_group, fragment, F):
+    """The exchanges' forward and backward (KDA, MLA) sync nothing with the host and run the
+    same ops on the same shapes for two document layouts with as many documents."""
+    torch.manual_seed(0)
+    layers = [KimiDeltaAttention(cfg), GatedMLA(cfg)]
+    contexts = [apply_context_parallel(layer, cp_group) for layer in layers]
+    L = T // F
+
+    def step(shard, x, segments):
+        for layer, context in zip(layers, contexts):
+            layer.zero_grad(set_to_none=True)  # both runs create the gradients
+            context.bind(shard)
+            layer(x, shard.cu_seqlens, segments).sum().backward()
+
+    recs = []
+    for rows in (ROWS, [[5, 100, 1, 22], [90, 30, 8]]):
+        shard = shard_batch(make_batch(rows), fragment, F)
+        x = torch.randn(2, L, cfg.hidden_size, requires_grad=True)
+        recs.append(record(step, shard, x, segment_ids(shard.cu_seqlens, 2 * L).view(2, L)))
+    assert_static(*recs)
+
+
 def _kda_states_case(context, fragment, F):
     """kda_with_states across real collectives: the states entering each fragment."""
     inputs = kda_inputs(seed=1)
@@ -295,6 +318,7 @@ def _world_of_4(rank: int, init_file: str) -> None:
             _layer_case(KimiDeltaAttention, cfg, fragment, F, seed, cp_group)
             _layer_case(GatedMLA, cfg, fragment, F, seed, cp_group)
             _kda_states_case(ContextParallel(cp_group), fragment, F)
+            _static_case(cfg, cp_group, fragment, F)
             _model_case(cfg, cp_group, world, fragment, F, dp_rank, dp)
         dist.barrier()
     finally:
