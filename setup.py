@@ -18,14 +18,13 @@ setup(
         "hydra-submitit-launcher>=1.2",
         "wandb>=0.19",
         "datatrove>=0.4",
-        "datasketch>=1.6",
-        "pyarrow>=14",
+        # datatrove's text utilities, which its Gopher filters and MinHash stages import, need
+        # regex (in datatrove's "processing" extra, whose other packages are not used here)
         "regex",
+        "pyarrow>=14",
         "xxhash",
-        "spacy>=3.7",
         "tokenizers>=0.19",
         "pillow>=10",
-        "webdataset>=0.2",
         "safetensors>=0.4",
         "deepspeed>=0.15",
         "matplotlib>=3.8",

@@ -3,6 +3,8 @@
     k3-data                          # the bundled sample, locally, into outputs/data/sample
     k3-data data.output_dir=/scratch/c4 data.executor.kind=slurm data.executor.tasks=64
     k3-data stage=tiny_s2            # pack rows for another context-length stage
+    k3-data data.output_dir=X data.overwrite=true   # replace the dataset in X once done
+    k3-data data.verbose=true        # datatrove's and megatron's INFO logs
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from model.config import ConfigError
 
 from .config import DataConfig, StageConfig
-from .pipeline import ensure_prepared, run_pipeline
+from .pipeline import STAGES, ensure_prepared, run_pipeline
 
 __all__ = ["main", "run_pipeline", "ensure_prepared", "format_summary"]
 
@@ -82,11 +84,18 @@ def _run(cfg: DictConfig) -> int:
             print(f"k3-data: every stage in {out} had finished; nothing submitted")
             return 0
         print(f"k3-data: submitted Slurm jobs {' '.join(map(str, summary['submitted']))} "
-              f"(curate, global, tokenize, finalize); the last one writes {out}/summary.json "
+              f"({', '.join(STAGES)}); the last one writes {out}/summary.json "
               f"and {out}/manifest.json. If a job fails, rerun with data.resume=true.")
         return 0
+    out = Path(app.data.output_dir).resolve()
     print(format_summary(summary))
-    print(f"summary: {Path(app.data.output_dir).resolve() / 'summary.json'}")
+    print(f"summary: {out / 'summary.json'}")
+    if summary["outcomes"]["kept"] == 0:
+        read = summary["input"]["records"]
+        why = ("no input record was read (are the sources' files empty?)" if read == 0 else
+               f"none of the {read} input records survived curation (see the reasons above, "
+               f"{out / 'quarantine.jsonl'} and the ledger in {out / 'ledger'})")
+        print(f"k3-data: the dataset in {out} is empty: {why}. k3-train refuses it.")
     return 0 if summary["balanced"] else 1
 
 

@@ -19,7 +19,7 @@ BUNDLED = "bundled://"
 
 MODALITY_FORMATS = {
     "text": ("jsonl", "parquet"),
-    "image": ("webdataset", "image_folder"),
+    "image": ("webdataset", "image_folder", "image_text"),
     "video": ("frame_folder", "video_files"),
 }
 EXECUTORS = ("local", "slurm")
@@ -51,15 +51,17 @@ def _hook(path: str, value: str | None) -> None:
 
 @dataclass
 class SourceConfig:
-    """One raw input: a folder of files in one format. `bundled://x` is data_pipeline/sample/x."""
+    """One raw input: files in one format (sources.py: a file, a folder or a glob pattern).
+    `bundled://x` is data_pipeline/sample/x."""
 
     name: str = "web"
     modality: str = "text"  # text | image | video
     format: str = "jsonl"  # see MODALITY_FORMATS
     path: str = "bundled://text/web"
-    glob: str | None = None  # file pattern inside `path`; null: the format's default
-    text_key: str = "text"  # jsonl / parquet field holding the text
-    id_key: str = "id"  # field kept as metadata.orig_id
+    glob: str | None = None  # file pattern inside a folder `path`; null: the format's default
+    text_key: str | None = None  # field holding the text; null: "text" ("caption": image_text)
+    image_key: str = "image"  # image_text: field holding the image path
+    id_key: str = "id"  # the record's own id field (named in the ledger)
     weight: float | None = None  # mixture weight; null: proportional to the source's rows
     rephrase: bool = False  # route the kept documents through the rephrasing hook
 
@@ -73,7 +75,7 @@ class SourceConfig:
                   f"must be one of {list(MODALITY_FORMATS[self.modality])} for modality "
                   f"{self.modality!r}")
         if not self.path:
-            _fail(f"{path}.path", self.path, "must name a folder")
+            _fail(f"{path}.path", self.path, "must name a file, a folder or a glob pattern")
         if self.weight is not None and not self.weight > 0:
             _fail(f"{path}.weight", self.weight, "must be > 0 or null")
         if self.rephrase and self.modality != "text":
@@ -103,8 +105,6 @@ class TextFilterConfig:
     dup_para_char_frac: float = 0.2
     classifier: str | None = None  # "module:callable", (text) -> score; null: no classifier
     min_classifier_score: float = 0.5
-    language: str = "eng"  # datatrove language code (word splitting)
-    word_splitter: str = "regex"  # regex (fast) | spacy (datatrove's default, ~20x slower)
 
     def validate(self, path: str) -> None:
         for name in ("min_chars", "max_chars", "min_doc_words", "max_doc_words",
@@ -119,8 +119,6 @@ class TextFilterConfig:
         if self.min_stop_words < 0:
             _fail(f"{path}.min_stop_words", self.min_stop_words, "must be >= 0")
         _hook(f"{path}.classifier", self.classifier)
-        if self.word_splitter not in ("regex", "spacy"):
-            _fail(f"{path}.word_splitter", self.word_splitter, "must be one of ['regex', 'spacy']")
 
 
 @dataclass
@@ -318,7 +316,10 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=_sample_sources)
     output_dir: str = "outputs/data/sample"
     resume: bool = False  # keep finished datatrove tasks of an interrupted run
+    overwrite: bool = False  # k3-data: replace a non-empty output_dir (once the new one is done)
+    use_prepared: bool = False  # k3-train: the dataset in output_dir whatever sources made it
     progress: bool = True  # progress bars
+    verbose: bool = False  # datatrove's and megatron's INFO logs
     text_filters: TextFilterConfig = field(default_factory=TextFilterConfig)
     captions: CaptionFilterConfig = field(default_factory=CaptionFilterConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -328,13 +329,15 @@ class DataConfig:
     pack: PackConfig = field(default_factory=PackConfig)
     long_docs: LongDocConfig = field(default_factory=lambda: LongDocConfig(num_docs=8))
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    validation_fraction: float = 0.05  # documents held out (by content hash) for validation
 
     def check_sources_exist(self, path: str = "data") -> None:
-        """Every source folder is there (checked before a run reads anything)."""
+        """Every source path is there and readable (checked before a run reads anything)."""
+        from .sources import list_source_files
+
         for i, source in enumerate(self.sources):
-            if not Path(resolve_path(source.path)).is_dir():
-                _fail(f"{path}.sources[{i}].path", source.path,
-                      "must be an existing folder with the source's files")
+            list_source_files(resolve_path(source.path), source.format, source.glob,
+                              f"{path}.sources[{i}].path")
 
     def validate(self, path: str = "data") -> DataConfig:
         if not self.sources:
@@ -352,6 +355,7 @@ class DataConfig:
         self.dedup.validate(f"{path}.dedup")
         self.rephrase.validate(f"{path}.rephrase")
         self.tokenizer.validate(f"{path}.tokenizer")
+        _fraction(f"{path}.validation_fraction", self.validation_fraction)
         self.pack.validate(f"{path}.pack")
         self.long_docs.validate(f"{path}.long_docs")
         self.executor.validate(f"{path}.executor")

@@ -1,11 +1,12 @@
 """Deduplication: exact (normalised-text hash), near (MinHash-LSH candidates, verified by exact
 Jaccard of word n-gram shingles) and perceptual (images and video frames).
 
-Three datatrove steps: SignatureStep (every task, writes <work>/signatures/<rank>.npz),
-DedupStep (one task: finds the duplicates of the whole corpus, writes <work>/duplicates.jsonl)
-and DropDuplicates (every task, in the next stage: drops them into the ledger). Of each group of
-duplicates the copy with the smallest `order` key (source, file, record index) is kept, so the
-result does not depend on the number of tasks.
+This module holds the hashing, the plain in-memory reference (`find_duplicates` with every
+signature in one process) and DropDuplicates (every task of the tokenize stage: drops the
+listed duplicates into the ledger). dedup_stages.py runs the same decisions at scale through
+datatrove's sharded MinHash stages. Of each group of duplicates the copy with the smallest
+`order` key (source, file, record index) is kept, so the result does not depend on the number
+of tasks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from datatrove.pipeline.base import PipelineStep
 from tqdm import tqdm
 
 from .config import DedupConfig
-from .imaging import COLOR_VALUES, decode_image, perceptual_signature
+from .imaging import COLOR_VALUES
 from .records import LedgerWriter
 
 MODALITY_CODES = {"text": 0, "image": 1, "video": 2}
@@ -169,16 +171,6 @@ class Signatures:
     def frames_of(self, i: int) -> slice:
         return slice(self.frame_offsets[i], self.frame_offsets[i + 1])
 
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            np.savez(f, **{k: getattr(self, k) for k in self.__dataclass_fields__})
-
-    @classmethod
-    def load(cls, path: Path) -> Signatures:
-        with np.load(path) as z:
-            return cls(**{k: z[k] for k in cls.__dataclass_fields__})
-
     @classmethod
     def concat(cls, parts: list[Signatures], num_perm: int) -> Signatures:
         def offsets(name: str) -> np.ndarray:
@@ -229,10 +221,41 @@ def _cluster(candidates: list[np.ndarray], pos: np.ndarray, same, n: int) -> dic
     return keeper
 
 
-def find_duplicates(sig: Signatures, cfg: DedupConfig, progress: bool = False) -> list[Duplicate]:
-    n = len(sig.ids)
-    pos = np.empty(n, dtype=np.int64)
-    pos[np.argsort(sig.order, kind="stable")] = np.arange(n)
+def positions(sig: Signatures) -> np.ndarray:
+    """Each document's rank in `order` (the keep-first order)."""
+    pos = np.empty(len(sig.ids), dtype=np.int64)
+    pos[np.argsort(sig.order, kind="stable")] = np.arange(len(sig.ids))
+    return pos
+
+
+NearDuplicates = Callable[[Signatures, np.ndarray, np.ndarray], list[Duplicate]]
+
+
+def near_duplicates_in_memory(cfg: DedupConfig, progress: bool = False) -> NearDuplicates:
+    """The plain reference for near duplicates: LSH bands over every MinHash signature in
+    memory, candidates verified by exact Jaccard, components kept by their first copy."""
+    def near(sig: Signatures, pos: np.ndarray, alive: np.ndarray) -> list[Duplicate]:
+        candidates = [g for keys in _band_keys(sig.minhash[alive], cfg.bands, cfg.rows_per_band)
+                      for g in _groups(keys, alive)]
+
+        def similar(i: int, j: int) -> bool:
+            return jaccard(sig.shingles_of(i), sig.shingles_of(j)) >= cfg.jaccard_threshold
+
+        return [Duplicate(k, "near_duplicate", keep,
+                          jaccard(sig.shingles_of(k), sig.shingles_of(keep)))
+                for k, keep in _cluster(tqdm(candidates, desc="near-dup candidates",
+                                             disable=not progress), pos, similar,
+                                        len(sig.ids)).items()]
+    return near
+
+
+def find_duplicates(sig: Signatures, cfg: DedupConfig, progress: bool = False,
+                    near: NearDuplicates | None = None) -> list[Duplicate]:
+    """Exact, near and perceptual duplicates, in keep-first order. `near` finds the near
+    duplicates among the text documents that are no exact duplicate (`alive`); the default is
+    the in-memory reference, the pipeline passes the sharded datatrove stages
+    (dedup_stages.near_duplicates_from_clusters)."""
+    pos = positions(sig)
     dups: list[Duplicate] = []
     text = np.flatnonzero(sig.modality == MODALITY_CODES["text"])
     if cfg.exact and len(text):
@@ -243,16 +266,7 @@ def find_duplicates(sig: Signatures, cfg: DedupConfig, progress: bool = False) -
     if cfg.near and len(text):
         gone = {d.index for d in dups}
         alive = np.array([i for i in text if i not in gone], dtype=np.int64)
-        candidates = [g for keys in _band_keys(sig.minhash[alive], cfg.bands, cfg.rows_per_band)
-                      for g in _groups(keys, alive)]
-
-        def similar(i: int, j: int) -> bool:
-            return jaccard(sig.shingles_of(i), sig.shingles_of(j)) >= cfg.jaccard_threshold
-
-        for k, keep in _cluster(tqdm(candidates, desc="near-dup candidates", disable=not progress),
-                                pos, similar, n).items():
-            dups.append(Duplicate(k, "near_duplicate", keep,
-                                  jaccard(sig.shingles_of(k), sig.shingles_of(keep))))
+        dups += (near or near_duplicates_in_memory(cfg, progress))(sig, pos, alive)
     if cfg.images:
         for name in ("image", "video"):
             dups += _visual_duplicates(sig, cfg, pos, MODALITY_CODES[name], f"{name}_duplicate")
@@ -288,95 +302,19 @@ def _visual_duplicates(sig: Signatures, cfg: DedupConfig, pos: np.ndarray, code:
     return out
 
 
-def _signatures_path(work_dir: str, rank: int) -> Path:
-    return Path(work_dir) / "signatures" / f"{rank:05d}.npz"
-
-
 def duplicates_path(work_dir: str) -> Path:
     return Path(work_dir) / "duplicates.jsonl"
 
 
-class SignatureStep(PipelineStep):
-    """Computes every passing document's dedup signature; passes the documents on."""
-
-    name = "dedup signatures"
-    type = "DEDUP"
-
-    def __init__(self, cfg: DedupConfig, work_dir: str):
-        super().__init__()
-        self.cfg = cfg
-        self.work_dir = work_dir
-
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        hasher = MinHasher(self.cfg.num_perm, self.cfg.seed)
-        rows: dict[str, list] = {k: [] for k in ("ids", "order", "modality", "exact", "minhash",
-                                                 "shingles", "phash", "colors")}
-        shingle_counts, frame_counts = [], []
-        for doc in data:
-            with self.track_time():
-                modality = doc.metadata["modality"]
-                rows["ids"].append(doc.id)
-                rows["order"].append(doc.metadata["order"])
-                rows["modality"].append(MODALITY_CODES[modality])
-                if modality == "text":
-                    sh = word_shingles(doc.text, self.cfg.ngram)
-                    rows["exact"].append(exact_hash(doc.text))
-                    rows["minhash"].append(hasher.signature(sh))
-                    rows["shingles"].append(sh)
-                    shingle_counts.append(len(sh))
-                    frame_counts.append(0)
-                else:
-                    rows["exact"].append(0)
-                    rows["minhash"].append(np.zeros(self.cfg.num_perm, dtype=np.uint64))
-                    shingle_counts.append(0)
-                    for m in doc.media:
-                        phash, colors = perceptual_signature(decode_image(m.media_bytes))
-                        rows["phash"].append(phash)
-                        rows["colors"].append(colors)
-                    frame_counts.append(len(doc.media))
-            yield doc
-        Signatures(
-            ids=np.array(rows["ids"], dtype=str), order=np.array(rows["order"], dtype=str),
-            modality=np.array(rows["modality"], dtype=np.int8),
-            exact=np.array(rows["exact"], dtype=np.uint64),
-            minhash=np.array(rows["minhash"], dtype=np.uint64).reshape(-1, self.cfg.num_perm),
-            shingles=(np.concatenate(rows["shingles"]) if rows["shingles"]
-                      else np.zeros(0, np.uint32)),
-            shingle_offsets=np.r_[0, np.cumsum(shingle_counts)].astype(np.int64),
-            phash=np.array(rows["phash"], dtype=np.uint64),
-            colors=np.array(rows["colors"], dtype=np.uint8).reshape(-1, COLOR_VALUES),
-            frame_offsets=np.r_[0, np.cumsum(frame_counts)].astype(np.int64),
-        ).save(_signatures_path(self.work_dir, rank))
-
-
-class DedupStep(PipelineStep):
-    """One task: reads the signatures of all tasks, writes the duplicate list."""
-
-    name = "dedup clusters"
-    type = "DEDUP"
-
-    def __init__(self, cfg: DedupConfig, work_dir: str, progress: bool = False):
-        super().__init__()
-        self.cfg = cfg
-        self.work_dir = work_dir
-        self.progress = progress
-
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        if data:
-            yield from data
-        paths = sorted((Path(self.work_dir) / "signatures").glob("*.npz"))
-        sig = Signatures.concat([Signatures.load(p) for p in paths], self.cfg.num_perm)
-        with self.track_time():
-            dups = find_duplicates(sig, self.cfg, self.progress)
-        path = duplicates_path(self.work_dir)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for d in dups:
-                f.write(json.dumps({"id": str(sig.ids[d.index]), "reason": d.reason,
-                                    "of": str(sig.ids[d.keeper]),
-                                    "similarity": round(d.similarity, 4)}) + "\n")
-        tmp.replace(path)
-        self.stat_update("duplicates", value=len(dups))
+def write_duplicates(work_dir: str, sig: Signatures, dups: list[Duplicate]) -> None:
+    path = duplicates_path(work_dir)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for d in dups:
+            f.write(json.dumps({"id": str(sig.ids[d.index]), "reason": d.reason,
+                                "of": str(sig.ids[d.keeper]),
+                                "similarity": round(d.similarity, 4)}) + "\n")
+    tmp.replace(path)
 
 
 def load_duplicates(work_dir: str) -> dict[str, dict]:

@@ -42,6 +42,12 @@ class CuratedReader(BaseDiskReader):
     def __init__(self, work_dir: str, progress: bool = False):
         super().__init__(f"{work_dir}/curated", glob_pattern="*.jsonl", doc_progress=progress)
 
+    def run(self, data: DocumentsPipeline = None, rank: int = 0,
+            world_size: int = 1) -> DocumentsPipeline:
+        if self.data_folder.exists("") and self.data_folder.list_files(glob_pattern="*.jsonl"):
+            yield from super().run(data, rank, world_size)
+        # else: no curated document at all (datatrove's reader raises on a missing folder)
+
     def read_file(self, filepath: str) -> DocumentsPipeline:
         with self.data_folder.open(filepath, "rt", encoding="utf-8") as f:
             for line in f:

@@ -3,12 +3,17 @@
 Every record a reader meets is counted; records that cannot become a document (malformed JSON,
 non-UTF-8 text, no or empty text, a missing image or caption, an unreadable file) go to the
 quarantine ledger with the reason instead of raising. Counts per task are written to
-<output_dir>/counts/read/<source>/<rank>.json.
+<output_dir>/counts/read/<source>/<rank>.json. Which files are read: sources.py.
+
+Each document (and each ledger line) names its record: metadata "file" (the path read), "line"
+(1-based line of a JSONL file, row of a Parquet file, sample of a tar shard; null for a file
+that is one record) and "orig_id" (the record's own `id_key` field, where it has one).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import tarfile
 from collections.abc import Callable, Iterator
@@ -21,18 +26,17 @@ from tqdm import tqdm
 
 from .config import SourceConfig, resolve_path
 from .records import LedgerWriter, ledger_doc, write_json
-
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-VIDEO_EXTENSIONS = (".gif", ".webp", ".apng")
+from .sources import IMAGE_EXTENSIONS, list_source_files
 
 
 class RecordProblem(Exception):
-    """A record that must be quarantined (reason, detail)."""
+    """A record that must be quarantined (reason, detail; its own id where it was read)."""
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", orig_id=None):
         super().__init__(reason)
         self.reason = reason
         self.detail = detail
+        self.orig_id = orig_id
 
 
 def decode_text(raw: bytes, what: str) -> str:
@@ -63,6 +67,7 @@ class RawRecord:
     nbytes: int
     build: Callable[[], Document]
     raw: bytes | str | None = None
+    line: int | None = None  # 1-based line / row / sample number in its file
 
 
 class K3Reader(BaseDiskReader):
@@ -70,12 +75,15 @@ class K3Reader(BaseDiskReader):
     Subclasses implement `records(filepath)` yielding RawRecords."""
 
     type = "READER"
-    default_glob: str | None = None
+    default_text_key = "text"
 
     def __init__(self, source: SourceConfig, source_index: int, output_dir: str,
                  progress: bool = False):
-        super().__init__(resolve_path(source.path), glob_pattern=source.glob or self.default_glob,
-                         doc_progress=progress, text_key=source.text_key, id_key=source.id_key)
+        base, self.files = list_source_files(resolve_path(source.path), source.format,
+                                             source.glob, f"data.sources[{source_index}].path")
+        super().__init__(base, doc_progress=progress,
+                         text_key=source.text_key or self.default_text_key, id_key=source.id_key)
+        self.base = base
         self.source = source
         self.source_index = source_index
         self.output_dir = output_dir
@@ -89,13 +97,16 @@ class K3Reader(BaseDiskReader):
 
     def make_document(self, filepath: str, key: str | int, text: str, nbytes: int,
                       media: list[Media] | None = None, orig_id=None,
-                      position: int | None = None) -> Document:
+                      position: int | None = None, line: int | None = None) -> Document:
         """`position`: the record's index in its file (defaults to an integer key)."""
         order = self.order_key(filepath, key if position is None else position)
         return Document(text=text, id=self.doc_id(filepath, key), media=media or [], metadata={
             "source": self.source.name, "modality": self.source.modality, "order": order,
             "orig_id": orig_id, "origin": "input", "bytes": nbytes,
-            "rephrase": self.source.rephrase})
+            "rephrase": self.source.rephrase, "file": self.path_of(filepath), "line": line})
+
+    def path_of(self, filepath: str) -> str:
+        return os.path.join(self.base, filepath)
 
     def read_file(self, filepath: str) -> DocumentsPipeline:
         for record in self.records(filepath):
@@ -104,23 +115,19 @@ class K3Reader(BaseDiskReader):
             try:
                 yield record.build()
             except RecordProblem as p:
-                self.ledger.write(ledger_doc(self.doc_id(filepath, record.key), self.source.name,
-                                             "quarantined", p.reason, p.detail, record.raw,
-                                             record.nbytes), self.rank)
+                self.ledger.write(ledger_doc(
+                    self.doc_id(filepath, record.key), self.source.name, "quarantined",
+                    p.reason, p.detail, record.raw, record.nbytes, file=self.path_of(filepath),
+                    line=record.line, orig_id=p.orig_id), self.rank)
 
     def records(self, filepath: str) -> Iterator[RawRecord]:
         raise NotImplementedError
-
-    def accepts(self, filepath: str) -> bool:
-        """Whether a listed file holds records (e.g. not the caption file of an image)."""
-        return True
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0,
             world_size: int = 1) -> DocumentsPipeline:
         if data:
             yield from data
-        files = [f for f in self.data_folder.list_files(glob_pattern=self.glob_pattern)
-                 if self.accepts(f)]
+        files = self.files
         self.rank = rank
         self.records_read = 0
         self.bytes_read = 0
@@ -148,26 +155,88 @@ def _raise(problem: RecordProblem) -> Callable[[], Document]:
     return fn
 
 
-class JsonlTextReader(K3Reader):
-    """One JSON object per line; blank lines are not records."""
+def json_object(raw: bytes, index: int) -> dict:
+    """The JSON object on line `index` (0-based) of a JSONL file."""
+    line = decode_text(raw, f"line {index + 1}")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RecordProblem("malformed_json", f"line {index + 1}: {e}") from None
+    if not isinstance(obj, dict):
+        raise RecordProblem("malformed_json", f"line {index + 1} is not a JSON object")
+    return obj
+
+
+class _JsonlReader(K3Reader):
+    """One JSON object per line; blank lines are not records. Subclasses build the document
+    from the line's object in `_document`."""
 
     def records(self, filepath: str) -> Iterator:
         with self.data_folder.open(filepath, "rb") as f:
             for index, raw in enumerate(f):
                 if raw.strip():
                     yield RawRecord(index, len(raw),
-                                    lambda r=raw, i=index: self._line(filepath, i, r), raw)
+                                    lambda r=raw, i=index: self._line(filepath, i, r), raw,
+                                    line=index + 1)
 
     def _line(self, filepath: str, index: int, raw: bytes) -> Document:
-        line = decode_text(raw, f"line {index + 1}")
+        obj = json_object(raw, index)
+        orig_id = obj.get(self.id_key)
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RecordProblem("malformed_json", f"line {index + 1}: {e}") from None
-        if not isinstance(obj, dict):
-            raise RecordProblem("malformed_json", f"line {index + 1} is not a JSON object")
+            return self._document(filepath, index, obj, len(raw), orig_id)
+        except RecordProblem as p:
+            p.orig_id = orig_id
+            raise
+
+    def _document(self, filepath: str, index: int, obj: dict, nbytes: int, orig_id) -> Document:
+        raise NotImplementedError
+
+
+class JsonlTextReader(_JsonlReader):
+    """Text in the `text_key` field of each line."""
+
+    def _document(self, filepath: str, index: int, obj: dict, nbytes: int, orig_id) -> Document:
         text = check_text(obj.get(self.text_key), f"field {self.text_key!r}")
-        return self.make_document(filepath, index, text, len(raw), orig_id=obj.get(self.id_key))
+        return self.make_document(filepath, index, text, nbytes, orig_id=orig_id,
+                                  line=index + 1)
+
+
+class ImageTextReader(_JsonlReader):
+    """Image-caption pairs, one per line: {"caption": ..., "image": "path", "metadata": {...}}
+    with the image path relative to the JSONL file's folder (or absolute) and the optional
+    metadata object kept in the document's metadata["record_metadata"]. A missing image is
+    quarantined here, an undecodable one by DecodeMedia."""
+
+    default_text_key = "caption"
+
+    def __init__(self, source: SourceConfig, source_index: int, output_dir: str,
+                 progress: bool = False):
+        super().__init__(source, source_index, output_dir, progress)
+        self.image_key = source.image_key
+
+    def _document(self, filepath: str, index: int, obj: dict, nbytes: int, orig_id) -> Document:
+        where = f"line {index + 1}"
+        if obj.get(self.text_key) is None:
+            raise RecordProblem("missing_caption", f"{where} has no {self.text_key!r}")
+        text = check_text(obj[self.text_key], f"field {self.text_key!r} of {where}")
+        image = obj.get(self.image_key)
+        if not isinstance(image, str) or not image:
+            raise RecordProblem("missing_image", f"{where} has no {self.image_key!r} path")
+        path = os.path.normpath(os.path.join(os.path.dirname(self.path_of(filepath)), image))
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise RecordProblem("missing_image", f"{where}: {image!r} -> {path}: "
+                                                 f"{e.strerror}") from None
+        metadata = obj.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise RecordProblem("malformed_json", f"{where}: 'metadata' is "
+                                                  f"{type(metadata).__name__}, not an object")
+        doc = self.make_document(filepath, index, text, nbytes + len(data),
+                                 [_media(data, MediaType.IMAGE, path)], orig_id, line=index + 1)
+        doc.metadata["record_metadata"] = metadata
+        return doc
 
 
 class ParquetTextReader(K3Reader):
@@ -181,7 +250,7 @@ class ParquetTextReader(K3Reader):
                 table = pq.read_table(f)
         except Exception as e:
             yield RawRecord(0, 0, _raise(RecordProblem("unreadable_file",
-                                                       f"{type(e).__name__}: {e}")))
+                                                       f"{type(e).__name__}: {e}")), line=None)
             return
         texts = (table.column(self.text_key).to_pylist() if self.text_key in table.column_names
                  else [None] * table.num_rows)
@@ -191,11 +260,16 @@ class ParquetTextReader(K3Reader):
             nbytes = len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
             yield RawRecord(index, nbytes, lambda t=text, i=index, o=orig_id, n=nbytes:
                             self._row(filepath, i, t, n, o),
-                            text if isinstance(text, str) else None)
+                            text if isinstance(text, str) else None, line=index + 1)
 
     def _row(self, filepath: str, index: int, text, nbytes: int, orig_id) -> Document:
-        text = check_text(text, f"column {self.text_key!r}")
-        return self.make_document(filepath, index, text, nbytes, orig_id=orig_id)
+        try:
+            text = check_text(text, f"column {self.text_key!r}")
+        except RecordProblem as p:
+            p.orig_id = orig_id
+            raise
+        return self.make_document(filepath, index, text, nbytes, orig_id=orig_id,
+                                  line=index + 1)
 
 
 def _caption(raw: bytes | None, what: str) -> str:
@@ -211,8 +285,6 @@ def _media(data: bytes, media_type: int, url: str) -> Media:
 class WebDatasetImageReader(K3Reader):
     """WebDataset tar shards: members `<key>.<ext>` grouped by key; the image is the member with
     an image extension, the caption `<key>.txt` (or "caption" in `<key>.json`)."""
-
-    default_glob = "*.tar"
 
     def records(self, filepath: str) -> Iterator:
         key, members, position = None, {}, 0
@@ -240,7 +312,8 @@ class WebDatasetImageReader(K3Reader):
     def _sample(self, filepath: str, key: str, members: dict[str, bytes], position: int):
         nbytes = sum(len(v) for v in members.values())
         return RawRecord(key, nbytes,
-                         lambda: self._document(filepath, key, members, nbytes, position))
+                         lambda: self._document(filepath, key, members, nbytes, position),
+                         line=position + 1)
 
     def _document(self, filepath: str, key: str, members: dict[str, bytes], nbytes: int,
                   position: int):
@@ -256,7 +329,7 @@ class WebDatasetImageReader(K3Reader):
         text = _caption(caption, f"caption of {key!r}")
         return self.make_document(filepath, key, text, nbytes,
                                   [_media(image, MediaType.IMAGE, f"{filepath}#{key}")], key,
-                                  position)
+                                  position, line=position + 1)
 
 
 def _read_sibling(reader: K3Reader, path: str) -> bytes | None:
@@ -269,11 +342,7 @@ def _read_sibling(reader: K3Reader, path: str) -> bytes | None:
 class _CaptionedFileReader(K3Reader):
     """One media file per record; its caption is the same-stem `.txt` file."""
 
-    extensions: tuple[str, ...] = ()
     media_type: MediaType = MediaType.IMAGE
-
-    def accepts(self, filepath: str) -> bool:
-        return filepath.lower().endswith(self.extensions)
 
     def records(self, filepath: str) -> Iterator:
         with self.data_folder.open(filepath, "rb") as f:
@@ -290,14 +359,11 @@ class _CaptionedFileReader(K3Reader):
 class ImageFolderReader(_CaptionedFileReader):
     """A folder of images with captions."""
 
-    extensions = IMAGE_EXTENSIONS
     media_type = MediaType.IMAGE
 
 
 class FrameFolderReader(K3Reader):
     """One folder per video: frame images (in name order) and `caption.txt`."""
-
-    default_glob = "*/caption.txt"
 
     def records(self, filepath: str) -> Iterator:
         folder = posixpath.dirname(filepath)
@@ -323,12 +389,12 @@ class FrameFolderReader(K3Reader):
 class VideoFileReader(_CaptionedFileReader):
     """Animated image files (GIF, animated WebP/PNG) with captions; frames are sampled later."""
 
-    extensions = VIDEO_EXTENSIONS
     media_type = MediaType.VIDEO
 
 
 READERS = {"jsonl": JsonlTextReader, "parquet": ParquetTextReader,
            "webdataset": WebDatasetImageReader, "image_folder": ImageFolderReader,
+           "image_text": ImageTextReader,
            "frame_folder": FrameFolderReader, "video_files": VideoFileReader}
 
 

@@ -4,8 +4,12 @@ stage and task under <output_dir>/ledger/<stage>/; kept records are the document
 
 Document metadata keys used across the stages:
     source, modality ("text" | "image" | "video"), order (global sort key: source index, file,
-    record index; decides which copy of a duplicate is kept), orig_id, origin ("input" for raw
-    records, "rephrased" / "synthetic" for documents the pipeline made), bytes (raw size).
+    record index; decides which copy of a duplicate is kept), orig_id (the record's own id
+    field), file and line (where the record was read), origin ("input" for raw records,
+    "rephrased" / "synthetic" for documents the pipeline made), bytes (raw size).
+
+A ledger line: id, source, file, line, record_id, origin, stage, outcome, reason, detail, raw
+(an excerpt of a record that could not be parsed), bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import IO
 
 from datatrove.data import Document
 from datatrove.pipeline.writers.disk_base import DiskWriter
+
+from . import logs  # noqa: F401  (quiet datatrove task logs, in workers and jobs too)
 
 RAW_EXCERPT_BYTES = 200
 
@@ -30,11 +36,13 @@ def excerpt(raw: bytes | str | None) -> str | None:
 
 
 def ledger_doc(doc_id: str, source: str, outcome: str, reason: str, detail: str | None = None,
-               raw: bytes | str | None = None, nbytes: int = 0) -> Document:
+               raw: bytes | str | None = None, nbytes: int = 0, file: str | None = None,
+               line: int | None = None, orig_id=None) -> Document:
     """A stand-in Document for a record that never became a document (e.g. a malformed line)."""
     return Document(text="", id=doc_id, metadata={
         "source": source, "k3_outcome": outcome, "k3_reason": reason, "k3_detail": detail,
-        "k3_raw": excerpt(raw), "bytes": nbytes, "origin": "input"})
+        "k3_raw": excerpt(raw), "bytes": nbytes, "origin": "input", "file": file,
+        "line": line, "orig_id": orig_id})
 
 
 class LedgerWriter(DiskWriter):
@@ -55,6 +63,9 @@ class LedgerWriter(DiskWriter):
         return {
             "id": document.id,
             "source": meta.get("source"),
+            "file": meta.get("file"),
+            "line": meta.get("line"),
+            "record_id": meta.get("orig_id"),
             "origin": meta.get("origin", "input"),
             "stage": self.stage,
             "outcome": meta.get("k3_outcome", self.outcome),

@@ -2,7 +2,8 @@
 
     .bin / .idx      Megatron indexed dataset (megatron-core's builder); one sequence (and one
                      Megatron document) per kept document, <eod> included
-    .docs.jsonl      per sequence: id, origin, modality, tokens
+    .docs.jsonl      per sequence: id, origin, modality, tokens and, for documents read from
+                     an input record, its file, line and record_id (as in the ledger)
     .tar             WebDataset shard of the pixels: <key>.png (image) or <key>.<frame>.png
                      (video frames), <key>.txt caption, <key>.json {id, grid_thw}
     .media.npy       int64 [M, 7]: sequence, placeholder offset, t, h, w, first frame, frames
@@ -55,7 +56,8 @@ class ShardWriter:
 
     def add(self, doc_id: str, origin: str, modality: str, tokens: np.ndarray,
             placeholder_offset: int = 0, grid_thw: list[int] | None = None,
-            frames: list[bytes] = (), caption: str = "") -> None:
+            frames: list[bytes] = (), caption: str = "", record: dict | None = None) -> None:
+        """`record`: where the document was read (file, line, record_id)."""
         import torch
 
         seq = len(self.lengths)
@@ -63,7 +65,7 @@ class ShardWriter:
         self.builder.end_document()
         self.lengths.append(len(tokens))
         self.docs.write(json.dumps({"id": doc_id, "origin": origin, "modality": modality,
-                                    "tokens": len(tokens)}) + "\n")
+                                    "tokens": len(tokens), **(record or {})}) + "\n")
         self.counts["docs"] += 1
         self.counts["tokens"] += len(tokens)
         self.counts["input_docs"] += origin == "input"

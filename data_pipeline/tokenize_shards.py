@@ -9,6 +9,7 @@ with n = the merged-token count of the picture's patch grid (model.vision.vision
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from .longdoc import generate_long_document
 from .records import LedgerWriter
 from .shards import ShardWriter
 from .tokenizer import EOD_ID, IMAGE_ID, VIDEO_ID, load_tokenizer, train_tokenizer
+from .validation_split import VALIDATION_DIR, is_held_out
 
 SYNTHETIC_SOURCE = "synthetic_long"
 ENCODE_BATCH = 256
@@ -48,7 +50,8 @@ def kept_texts(work_dir: str) -> Iterator[str]:
 
 
 class TokenizerStep(PipelineStep):
-    """Trains the byte-level BPE on the kept corpus, or copies the configured tokenizer file."""
+    """Trains the byte-level BPE on the kept corpus, or copies the configured tokenizer file.
+    When no document was kept there is no tokenizer (and nothing to tokenize)."""
 
     name = "tokenizer"
     type = "TOKENIZE"
@@ -64,12 +67,16 @@ class TokenizerStep(PipelineStep):
         if data:
             yield from data
         target = tokenizer_path(self.output_dir)
+        texts = kept_texts(self.work_dir)
+        first = next(texts, None)
+        if first is None:
+            return
         with self.track_time():
             if self.cfg.path is not None:
                 load_tokenizer(resolve_path(self.cfg.path))  # checks the special-token ids
                 shutil.copyfile(resolve_path(self.cfg.path), target)
             else:
-                tok = train_tokenizer(kept_texts(self.work_dir), self.cfg.vocab_size,
+                tok = train_tokenizer(itertools.chain([first], texts), self.cfg.vocab_size,
                                       self.cfg.min_frequency, self.progress)
                 tok.save(str(target))
 
@@ -94,15 +101,19 @@ class TokenizeToShards(PipelineStep):
         self.output_dir = output_dir
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        if not tokenizer_path(self.output_dir).exists():  # TokenizerStep found nothing kept
+            if next(iter(data), None) is not None:
+                raise RuntimeError(f"documents to tokenize but no {tokenizer_path('.')}")
+            return
         tok = load_tokenizer(tokenizer_path(self.output_dir))
         vocab = tok.get_vocab_size()
-        writers: dict[str, ShardWriter] = {}
+        writers: dict[tuple[str, str], ShardWriter] = {}
 
-        def writer(source: str) -> ShardWriter:
-            if source not in writers:
-                prefix = Path(self.output_dir) / "shards" / source / f"{rank:05d}"
-                writers[source] = ShardWriter(prefix, vocab)
-            return writers[source]
+        def writer(source: str, folder: str = "shards") -> ShardWriter:
+            if (folder, source) not in writers:
+                prefix = Path(self.output_dir) / folder / source / f"{rank:05d}"
+                writers[folder, source] = ShardWriter(prefix, vocab)
+            return writers[folder, source]
 
         seq_len = self.cfg.pack.seq_len
         with LedgerWriter(self.output_dir, "tokenize") as ledger:
@@ -117,10 +128,15 @@ class TokenizeToShards(PipelineStep):
                                                 k3_detail=f"{len(ids)} tokens > {seq_len}")
                             ledger.write(doc, rank)
                             continue
-                        writer(doc.metadata["source"]).add(
-                            doc.id, doc.metadata["origin"], doc.metadata["modality"],
-                            np.asarray(ids), offset, doc.metadata.get("grid_thw"),
-                            [m.media_bytes for m in doc.media], doc.text)
+                        meta = doc.metadata
+                        media = [m.media_bytes for m in doc.media]
+                        held_out = is_held_out(doc.text, media, self.cfg.validation_fraction)
+                        folder = VALIDATION_DIR if held_out else "shards"
+                        writer(meta["source"], folder).add(
+                            doc.id, meta["origin"], meta["modality"], np.asarray(ids), offset,
+                            meta.get("grid_thw"), media, doc.text,
+                            {"file": meta.get("file"), "line": meta.get("line"),
+                             "record_id": meta.get("orig_id")})
                         self.stat_update("tokens", value=len(ids))
                         written.append(doc)
                 yield from written

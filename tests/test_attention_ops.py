@@ -127,7 +127,7 @@ def test_output_is_fp32_for_bf16_inputs(backend):
 
 
 def test_static_shapes_for_two_document_layouts():
-    """"auto" on CPU with cu_seqlens is the blockwise backend."""
+    """With cu_seqlens on CPU, "auto" is the blockwise backend (several tiles here)."""
     q, k, v = make_qkv()
     layouts = [[[10, 0, 53, 37], [100]], [[90, 3, 0, 7], [100]]]
 

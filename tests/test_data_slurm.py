@@ -1,6 +1,7 @@
 """The bundled sample through datatrove's SlurmPipelineExecutor on the local Slurm cluster: `k3-data
-data.executor.kind=slurm` submits the four stages as dependent job arrays, the finalize job writes
-the manifest, and the data equals the local executor's run (conftest's `sample_data_dir`)."""
+data.executor.kind=slurm` submits the five stages as dependent job arrays, the finalize job writes
+the manifest and swaps the build in, and the data equals the local executor's run (conftest's
+`sample_data_dir`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from data_pipeline.config import DataConfig, ExecutorConfig
 from data_pipeline.pipeline import ensure_prepared
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = {"curate": 2, "global": 1, "tokenize": 2, "finalize": 1}  # array tasks with tasks=2
+STAGES = {"curate": 2, "buckets": 20, "global": 1, "tokenize": 2, "finalize": 1}  # tasks=2
 UNFINISHED = {"", "PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING",
               "SUSPENDED"}
 

@@ -161,6 +161,51 @@ def test_find_duplicates_keeps_the_first_copy_in_order():
     assert dups[0].similarity == pytest.approx(reference_jaccard(near, TEXT, 5))
 
 
+def test_sharded_minhash_stages_equal_the_reference_on_chains_and_copies(tmp_path):
+    """Two curate tasks through SignatureStep, datatrove's bucket stage (one task per band)
+    with exact-Jaccard verification, its cluster stage and DedupStep; the decisions equal the
+    in-memory reference's. The corpus has a chain (A ~ B ~ C with A !~ C at a lower
+    threshold), exact copies on both tasks (one of them first in order), and distinct texts."""
+    from data_pipeline.dedup import load_duplicates
+    from data_pipeline.dedup_stages import (
+        SignatureStep,
+        buckets_pipeline,
+        global_pipeline,
+        load_signatures,
+    )
+
+    words = TEXT.split()
+    b = " ".join(words[:20] + ["quietly"] + words[21:])
+    c = " ".join(words[:20] + ["quietly"] + words[21:40] + ["again"] + words[41:])
+    distinct = [" ".join(f"word{i}x{j}" for j in range(30)) for i in range(3)]
+    tasks = [[TEXT, b, distinct[0], TEXT.upper()], [c, "  " + b + " ", distinct[1], distinct[2]]]
+    for threshold in (0.8, 0.95):
+        cfg = DedupConfig(jaccard_threshold=threshold)
+        work = str(tmp_path / f"work{threshold}")
+        for rank, texts in enumerate(tasks):
+            order = [f"{(i * 7 + rank) % 5}|{rank}|{i}" for i in range(len(texts))]
+            docs = [Document(t, f"t{rank}/{i}", metadata={"modality": "text", "order": o})
+                    for i, (t, o) in enumerate(zip(texts, order))]
+            assert len(list(SignatureStep(cfg, work).run(iter(docs), rank, 2))) == len(texts)
+        for band in range(cfg.bands):
+            pipeline = buckets_pipeline(cfg, work)
+            pipeline[0].run(None, band, cfg.bands)
+            list(pipeline[1].run(None, band, cfg.bands))
+        cluster, dedup = global_pipeline(cfg, work)
+        cluster.run(None, 0, 1)
+        list(dedup.run(None, 0, 1))
+        sig = load_signatures(work, cfg)
+        reference = {str(sig.ids[d.index]): (d.reason, str(sig.ids[d.keeper]),
+                                             round(d.similarity, 4))
+                     for d in find_duplicates(sig, cfg)}
+        sharded = {k: (r["reason"], r["of"], r["similarity"])
+                   for k, r in load_duplicates(work).items()}
+        assert sharded == reference
+        reasons = sorted(r for r, _, _ in sharded.values())
+        assert reasons.count("exact_duplicate") == 2 and "near_duplicate" in reasons
+        assert not any(k.endswith("/2") or k == "t1/3" for k in sharded)  # distinct kept
+
+
 # ------------------------------------------------------------------ pictures
 
 def _scene(color, shift=0) -> Image.Image:
@@ -329,8 +374,9 @@ def test_slurm_executor_is_selected_and_chains_the_stages(tmp_path):
     for name, pipeline, tasks in stages(cfg, str(tmp_path)):
         previous = _slurm(cfg, name, pipeline, tasks, str(tmp_path), previous)
         assert isinstance(previous, SlurmPipelineExecutor)
-        assert previous.tasks == (3 if name in ("curate", "tokenize") else 1)
-    assert previous.depends.depends.depends.job_name == "k3-data-curate"
+        expected = {"curate": 3, "tokenize": 3, "buckets": cfg.dedup.bands}.get(name, 1)
+        assert previous.tasks == expected
+    assert previous.depends.depends.depends.depends.job_name == "k3-data-curate"
 
 
 # ------------------------------------------------------------------ hooks
@@ -373,31 +419,3 @@ def test_modality_codes_cover_the_config_modalities():
 
     assert set(MODALITY_CODES) == set(MODALITY_FORMATS)
     assert dataclasses.fields(DataConfig)  # the schema Hydra registers is a dataclass
-
-
-def test_regex_word_splitter_makes_the_same_gopher_decisions_as_spacy():
-    import json
-
-    from datatrove.pipeline.filters.gopher_quality_filter import GopherQualityFilter
-    from datatrove.pipeline.filters.gopher_repetition_filter import GopherRepetitionFilter
-
-    from data_pipeline.config import SAMPLE_DIR
-    from data_pipeline.filters import RegexWordTokenizer
-
-    texts = []  # the junk and copies file, and a quarter of the other documents
-    for path in sorted((SAMPLE_DIR / "text" / "web").glob("*.jsonl")):
-        for i, line in enumerate(path.read_bytes().splitlines()):
-            try:
-                text = json.loads(line)["text"]
-                text.encode("utf-8")
-            except (ValueError, KeyError, TypeError, AttributeError, UnicodeEncodeError):
-                continue
-            if text.strip() and (path.name == "web_002.jsonl" or i % 4 == 0):
-                texts.append(text)
-    regex = RegexWordTokenizer("eng")
-    for rule in (GopherQualityFilter, GopherRepetitionFilter):
-        spacy_rule, regex_rule = rule(language="eng"), rule(language=regex)
-        decisions = [(spacy_rule.filter(Document(t, "d")), regex_rule.filter(Document(t, "d")))
-                     for t in texts]
-        assert all(a == b for a, b in decisions), rule.__name__
-        assert sum(a is not True for a, _ in decisions) >= 5  # the junk is in there

@@ -108,7 +108,7 @@ def traced_layer_bytes(cfg: K3Config, micro_batch: int, seq_len: int,
         signature = (cfg.layer_types()[index], cfg.is_moe_layer(index), blocks, with_partial,
                      index == 0)
         if signature not in traced:
-            with torch.device("meta"), torch.random.fork_rng():
+            with torch.device("meta"):
                 layer = DecoderLayer(cfg, index).to(dtype)
                 sources = [torch.empty(hidden, dtype=dtype) for _ in range(blocks + 1)]
             segments = torch.zeros(hidden[:2], dtype=torch.long, device="meta")
@@ -126,7 +126,7 @@ def traced_head_bytes(cfg: K3Config, micro_batch: int, seq_len: int,
     ids the embedding keeps, and the output mix over every AttnRes block, final norm and
     (chunked) loss of the last stage."""
     batch = _meta_batch(cfg, micro_batch, seq_len)
-    with torch.device("meta"), torch.random.fork_rng():
+    with torch.device("meta"):
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(dtype)
         head = LMHead(cfg).to(dtype)
         sources = [torch.empty(micro_batch, seq_len, cfg.hidden_size, dtype=dtype)

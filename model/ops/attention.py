@@ -31,7 +31,7 @@ _BACKENDS = ("auto", "varlen", "sdpa", "blockwise", "reference")
 # tile at a time. Large enough that the Python loop costs little next to the tile's matmuls,
 # small enough that the tile's few temporaries stay near the CPU caches.
 BLOCK_Q = 256
-BLOCK_K = 1024
+BLOCK_K = 512
 
 
 def doc_causal_attention(
