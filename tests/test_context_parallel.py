@@ -96,6 +96,17 @@ def test_shard_batch_rejects_what_it_cannot_split():
         shard_batch(make_batch(), 0, 3)
 
 
+def test_k3_train_validates_the_context_size():
+    from model.config import ConfigError
+    from train.config import ParallelConfig, TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=ParallelConfig(context=2))
+    assert validate_train_config(cfg, 2) is cfg
+    cfg.stage.seq_len = 127
+    with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
+        validate_train_config(cfg, 2)
+
+
 # ---- KCP state math in one process ----
 
 def kda_inputs(B=2, H=2, K=16, V=24, gate="lower_bound", seed=0):

@@ -267,7 +267,6 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
 @pytest.mark.parametrize("overrides, world, message", [
     (dict(data_shard="zero3"), 2, "parallel.data_shard='zero3'"),
     (dict(data=3), 2, "parallel.data=3"),
-    (dict(context=2), 2, "parallel.context=2 is invalid: must be 1: context parallelism"),
     (dict(expert=2), 2, "parallel.expert=2 is invalid: must be 1: expert parallelism"),
     (dict(pipeline=2), 2, "parallel.pipeline=2 is invalid: must be 1: pipeline parallelism"),
 ])
