@@ -25,9 +25,13 @@ class VisionInput:
     patches: torch.Tensor  # [P, in_channels * patch * patch]
     grid_thw: torch.Tensor  # [I, 3] int64: frames, patch rows, patch cols
     token_positions: torch.Tensor  # [V] int64 positions in the flattened B*T token sequence
+    # Which encoder output tokens land in this batch, [V] int64 (None: all of them, in order).
+    # A context-parallel fragment holds some of its images' placeholders only.
+    output_rows: torch.Tensor | None = None
 
     def to(self, device) -> VisionInput:
-        return VisionInput(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return VisionInput(*(None if getattr(self, f.name) is None
+                             else getattr(self, f.name).to(device) for f in fields(self)))
 
 
 @dataclass

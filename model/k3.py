@@ -119,6 +119,8 @@ class K3Model(nn.Module):
             return x
         b, t, d = x.shape
         vis = self.vision(batch.vision.patches, batch.vision.grid_thw).to(x.dtype)
+        if batch.vision.output_rows is not None:
+            vis = vis.index_select(0, batch.vision.output_rows)
         flat = x.reshape(b * t, d).index_copy(0, batch.vision.token_positions, vis)
         return flat.view(b, t, d)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -52,6 +53,10 @@ class KimiDeltaAttention(nn.Module):
         self.gate_proj = nn.Linear(d, h * hd, bias=False)  # full-rank sigmoid output gate
         self.out_norm_weight = nn.Parameter(torch.ones(hd))  # head-wise RMSNorm
         self.o_proj = nn.Linear(h * hd, d, bias=False)
+        # Context-parallel seam (filled from parallel/): state_exchange(kda, q, k, v, g, beta,
+        # cu_seqlens) -> o runs `kda` (kda_chunk with this layer's options) on the packed
+        # fragment with the states entering it from earlier ranks.
+        self.state_exchange = None
         self.reset_parameters()
 
     def reset_parameters(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
@@ -81,15 +86,19 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(z, self.a_log, self.gate_kind, self.lower_bound)
         # Only the K3 gate has a bound (fla's safe-gate kernel, the torch path's dense sub-tiles).
         bound = self.lower_bound if self.gate_kind == "lower_bound" else None
+        kda = functools.partial(kda_chunk, chunk_size=self.chunk_size, backend=self.backend,
+                                lower_bound=bound)
         if cu_seqlens is not None:  # all rows as one packed sequence with document boundaries
             flat = (1, b * t, -1, hd)
-            o, _ = kda_chunk(q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
-                             beta.reshape(1, b * t, -1), cu_seqlens=cu_seqlens,
-                             chunk_size=self.chunk_size, backend=self.backend, lower_bound=bound)
+            packed = (q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
+                      beta.reshape(1, b * t, -1))
+            if self.state_exchange is None:
+                o, _ = kda(*packed, cu_seqlens=cu_seqlens)
+            else:
+                o = self.state_exchange(kda, *packed, cu_seqlens)
             o = o.view(heads)
         else:
-            o, _ = kda_chunk(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend,
-                             lower_bound=bound)
+            o, _ = kda(q, k, v, g, beta)
         o = rms_norm(o.float(), self.out_norm_weight, self.norm_eps)
         o = torch.sigmoid(self.gate_proj(x).float()).view(heads) * o
         return self.o_proj(o.reshape(b, t, -1).to(x.dtype))

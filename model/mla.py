@@ -39,18 +39,25 @@ class GatedMLA(nn.Module):
         # Per-head max pre-softmax logit of the last forward, for QK-Clip (None until recorded).
         self.record_max_logit = False
         self.max_logit: torch.Tensor | None = None
+        # Context-parallel seam (filled from parallel/): kv_exchange(latent) -> (the latents of
+        # the keys this fragment's queries may see, an attention with doc_causal_attention's
+        # signature over them).
+        self.kv_exchange = None
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # Head counts come from the projections (-1): a head-sharded q_b/kv_b runs unchanged.
         q = self.q_b(self.q_a_norm(self.q_a(x))).view(b, t, -1, self.nope + self.rope)
-        ckv, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b(self.kv_a_norm(ckv)).view(b, t, -1, self.nope + self.v_dim)
+        latent, attend = self.kv_a(x), doc_causal_attention
+        if self.kv_exchange is not None:  # the compressed latent crosses ranks, not K and V
+            latent, attend = self.kv_exchange(latent)
+        ckv, k_rope = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b(self.kv_a_norm(ckv)).view(b, latent.shape[1], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)
-        out = doc_causal_attention(q, k, v, cu_seqlens, scale=self.scale, backend=self.backend,
-                                   return_max_logit=self.record_max_logit)
+        out = attend(q, k, v, cu_seqlens, scale=self.scale, backend=self.backend,
+                     return_max_logit=self.record_max_logit)
         if self.record_max_logit:
             out, max_logit = out
             self.max_logit = max_logit if self.max_logit is None else torch.maximum(

@@ -34,6 +34,9 @@ class ShortConv(nn.Module):
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, kernel))  # [channels, K]: shards by row
+        # Context-parallel seam (filled from parallel/): halo(x, segments, width) prepends the
+        # `width` inputs before this fragment and returns (inputs, segments) over both.
+        self.halo = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -41,4 +44,8 @@ class ShortConv(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
-        return F.silu(doc_causal_conv1d(x, self.weight, segments))
+        if self.halo is None:
+            return F.silu(doc_causal_conv1d(x, self.weight, segments))
+        width = self.weight.shape[-1] - 1
+        x, segments = self.halo(x, segments, width)
+        return F.silu(doc_causal_conv1d(x, self.weight, segments)[:, width:])

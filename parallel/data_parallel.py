@@ -1,8 +1,21 @@
-"""Plain data parallelism: gradients summed across data-parallel ranks after backward.
+"""Data parallelism with torch's own machinery (`parallel.data_shard`):
 
-The loss of every micro-batch is already divided by the global number of loss tokens, so a sum
-(not a mean) of the ranks' gradients gives exactly the single-process gradient of the same
-global batch. Gradients are flattened into buckets so each all-reduce moves one large buffer.
+- none: FSDP2's `replicate` (DDP semantics: parameters replicated, gradients all-reduced per
+  decoder layer while backward runs on).
+- optimizer: ZeRO-1, K3's and Megatron's distributed optimizer: `replicate` for the gradients,
+  optimizer state only for the parameters this rank owns (whole tensors, balanced by size);
+  owners broadcast the updated parameters after the step.
+- full: FSDP2 `fully_shard` per decoder layer (parameters, gradients, state sharded); HSDP when
+  the mesh is 2-D (dp_replicate x dp_shard).
+
+Gradients are reduced in fp32 and summed, not averaged: the loss of every micro-batch is already
+divided by the global number of loss tokens, so the sum over ranks is exactly the gradient of
+the single-process run on the same global batch (divide factor 1).
+
+Why ZeRO-1 is ours: torch's ZeroRedundancyOptimizer keeps its own partitioned optimizer whose
+`state_dict` must be consolidated on one rank, so DCP's layout-free optimizer checkpoints cannot
+read it, and it cannot broadcast DTensor (tensor-parallel) parameters. Owning whole tensors here
+keeps Per-Head Muon's matrices whole on their owner as well.
 """
 
 from __future__ import annotations
@@ -10,42 +23,83 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from model.k3 import K3Model
+
+MODES = ("none", "optimizer", "full")
 
 
 def fill_missing_gradients(model: nn.Module) -> None:
     """Zero gradients for parameters a step did not reach (e.g. the vision encoder on a text-only
-    batch): every parameter then takes part in the all-reduce and gets an optimizer update (and
-    optimizer state) every step, on one rank or many."""
+    batch): every parameter then gets an optimizer update (and optimizer state) every step."""
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
 
 
-def allreduce_gradients(model: nn.Module, group=None, bucket_bytes: int = 64 << 20) -> None:
-    """Sums gradients over the group; call fill_missing_gradients first."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for p in params:
-        bucket.append(p.grad)
-        size += p.grad.numel() * p.grad.element_size()
-        if size >= bucket_bytes:
-            _reduce_bucket(bucket, group)
-            bucket, size = [], 0
-    if bucket:
-        _reduce_bucket(bucket, group)
+def _units(model: K3Model) -> list[nn.Module]:
+    """The modules that reduce (FSDP: gather) their parameters together: each decoder layer,
+    then the root (embedding, LM head, vision encoder: the vision tower runs on some ranks'
+    batches only, so it shares the root's reduction, which zero-fills unused gradients)."""
+    return [*model.layers.values(), model]
 
 
-def _reduce_bucket(grads: list[torch.Tensor], group) -> None:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str) -> None:
+    """Wraps `model` in place for data parallelism over `mesh` (1-D, or 2-D dp_replicate x
+    dp_shard for HSDP with mode full)."""
+    if mode not in MODES:
+        raise ValueError(f"parallel.data_shard={mode!r}: must be one of {list(MODES)}")
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for unit in _units(model):
+        if mode == "full":
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        else:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(unit, mesh=mesh, mp_policy=policy)
+    for unit in _units(model):
+        assert isinstance(unit, FSDPModule)
+        unit.set_gradient_divide_factor(1.0)  # a sum: see the module docstring
+        # Plain SUM collectives (gloo has no PREMUL_SUM; the factor is 1 anyway).
+        unit.set_force_sum_reduction_for_comms(True)
+        # Ranks reach different parameters (images on some ranks only): zero gradients for the
+        # others keep every rank's reduction the same size.
+        unit.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class ZeroOneOwnership:
+    """ZeRO-1: which data-parallel rank owns (updates, keeps optimizer state for) each parameter.
+
+    Greedy by size, largest first, onto the least loaded rank; ties by name, so every rank
+    computes the same assignment without communication.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        load = [0] * self.size
+        self.owner: dict[str, int] = {}
+        for name, p in sorted(named_params, key=lambda item: (-item[1].numel(), item[0])):
+            rank = min(range(self.size), key=lambda r: (load[r], r))
+            self.owner[name] = rank
+            load[rank] += p.numel()
+        self.load = load
+        self.params = dict(named_params)
+
+    def owns(self, name: str) -> bool:
+        return self.owner[name] == self.rank
+
+    @torch.no_grad()
+    def broadcast_updates(self) -> None:
+        """Every parameter from its owner to the other data-parallel ranks."""
+        for name, p in self.params.items():
+            src = dist.get_global_rank(self.group, self.owner[name])
+            dist.broadcast(_local(p), src=src, group=self.group)

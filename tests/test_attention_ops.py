@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import model.ops.attention as attention
-from model.batch import cu_seqlens_from_lengths
-from model.ops.attention import doc_causal_attention, segment_attention
+from model.batch import cu_seqlens_from_lengths, segment_ids
+from model.ops.attention import doc_causal_attention, offset_doc_causal_attention, segment_attention
 from tests.static_shapes import assert_static, record
 from tests.tolerances import assert_close_rms
 
@@ -182,6 +182,42 @@ def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="backend"):
         doc_causal_attention(q, k, v, None, SCALE, backend="flash")
 
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "reference"])
+@pytest.mark.parametrize("q_offset, q_len", [(0, 30), (37, 41), (64, 36)])
+def test_offset_queries_equal_their_rows_of_full_attention(backend, q_offset, q_len):
+    """A fragment of queries (a context-parallel rank's) against the keys up to its end equals
+    those rows of the whole rows' attention, gradients too: documents of ROWS cross the fragment
+    edges, and the keys' first tile starts before the fragment."""
+    q, k, v = make_qkv()
+    do = torch.randn(B, T, H, DV)
+    rows = slice(q_offset, q_offset + q_len)
+    do[:, :rows.start] = 0
+    do[:, rows.stop:] = 0  # the loss sees the fragment's rows only
+    ref, _ = forward_backward(q, k, v, cu("packed"), "reference", do)
+    segments = segment_ids(cu("packed"), B * T).view(B, T)
+    keys = slice(0, rows.stop)
+    qf, kf, vf = (x.detach()[:, s].requires_grad_() for x, s in ((q, rows), (k, keys), (v, keys)))
+    o, max_logit = offset_doc_causal_attention(qf, kf, vf, segments[:, rows], segments[:, keys],
+                                               q_offset, SCALE, backend, return_max_logit=True)
+    (o * do[:, rows]).sum().backward()
+    assert_close_rms(ref["o"][:, rows], o, TOL, "o")
+    assert_close_rms(ref["dq"][:, rows], qf.grad, TOL, "dq")
+    assert_close_rms(ref["dk"][:, keys], kf.grad, TOL, "dk")
+    assert_close_rms(ref["dv"][:, keys], vf.grad, TOL, "dv")
+    allowed = attention.dense_mask(segments, B, T, True, q.device)[:, :, rows]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q[:, rows], k).detach() * SCALE
+    expected_max = scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(max_logit, expected_max, rtol=1e-6, atol=1e-6)
+
+
+def test_offset_attention_rejects_queries_past_the_keys():
+    q, k, v = make_qkv()
+    segments = torch.zeros(B, T, dtype=torch.long)
+    with pytest.raises(ValueError, match="q_offset"):
+        offset_doc_causal_attention(q[:, :50], k[:, :60], v[:, :60], segments[:, :50],
+                                    segments[:, :60], 20, SCALE)
 
 # One gated MLA layer at k3_tiny width, forward + backward over one 64K-token document given as
 # cu_seqlens (as packed training gives it: "auto" is the blockwise backend), with QK-Clip's max

@@ -183,25 +183,29 @@ def test_state_dict_round_trip_continues_identically():
         assert torch.equal(opt.state[p]["momentum_buffer"], resumed.state[q]["momentum_buffer"])
 
 
-class _TransposedStorage:
-    """A toy sharded layout: the parameter is stored transposed, the logical matrix is W."""
+class _HeadHalves:
+    """A toy exchange that hands the orthogonaliser blocks of whole heads (as a head-sharded
+    tensor-parallel rank does) and puts the results back together."""
 
-    def gather(self, update, param):
-        return update.mT
+    def orthogonalize(self, jobs, ortho):
+        out = []
+        for job in jobs:
+            first, second = job.update.chunk(2, dim=job.head_axis - 2)
+            out.append(torch.cat([ortho(first.contiguous(), job), ortho(second.contiguous(), job)],
+                                 dim=job.head_axis - 2))
+        return out
 
-    def scatter(self, update, param):
-        return update.mT
 
-
-def test_exchange_gives_whole_logical_matrices():
-    """Orthogonalisation, head split and update scale all see the gathered matrix."""
-    shape = (2 * 10, 28)
+@pytest.mark.parametrize("head_axis", [0, 1])
+def test_exchange_of_whole_head_blocks_matches_local(head_axis):
+    """Head split and update scale follow the logical parameter, whatever block of whole heads
+    the exchange orthogonalises."""
+    shape = (4 * 10, 28) if head_axis == 0 else (28, 4 * 10)
     w0, grads = torch.randn(shape), _grads(shape)
-    group = dict(num_heads=2, head_axis=0, adjust_lr="spectral")  # spectral: rows/cols matter
-    logical = _run_muon(w0, grads, **group)
-    stored = _run_muon(w0.mT.contiguous(), [g.mT.contiguous() for g in grads], **group,
-                       exchange=_TransposedStorage())
-    assert torch.equal(logical, stored.mT)
+    group = dict(num_heads=4, head_axis=head_axis, adjust_lr="spectral")  # rows/cols matter
+    local = _run_muon(w0, grads, **group)
+    halves = _run_muon(w0, grads, **group, exchange=_HeadHalves())
+    assert torch.equal(local, halves)
 
 
 def test_step_has_no_host_sync():

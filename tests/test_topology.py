@@ -267,9 +267,6 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
 @pytest.mark.parametrize("overrides, world, message", [
     (dict(data_shard="zero3"), 2, "parallel.data_shard='zero3'"),
     (dict(data=3), 2, "parallel.data=3"),
-    (dict(tensor=2), 2, "parallel.tensor=2 is invalid: must be 1: tensor parallelism is not "
-                        "implemented yet in k3-train"),
-    (dict(context=2), 2, "parallel.context=2 is invalid: must be 1: context parallelism"),
     (dict(expert=2), 2, "parallel.expert=2 is invalid: must be 1: expert parallelism"),
     (dict(pipeline=2), 2, "parallel.pipeline=2 is invalid: must be 1: pipeline parallelism"),
 ])
@@ -289,8 +286,5 @@ def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():
     cfg.stage.seq_len = 127
     with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
         validate_train_config(cfg, 2)
-    cfg.parallel.sequence_parallel = False  # then only the not-yet-implemented tensor size fails
-    with pytest.raises(ConfigError, match="parallel.tensor=2"):
-        validate_train_config(cfg, 2)
-    cfg.parallel.tensor = 1
+    cfg.parallel.sequence_parallel = False  # then the sequence stays whole on every rank
     assert validate_train_config(cfg, 2) is cfg

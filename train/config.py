@@ -161,8 +161,9 @@ class TrainConfig:
 
 # Layouts the Topology validates but the training loop cannot run yet; each entry goes when its
 # parallelism lands (tensor: the loop's collectives are still data-parallel only).
-_NOT_IMPLEMENTED_YET = {"tensor": "tensor parallelism", "context": "context parallelism",
-                        "expert": "expert parallelism", "pipeline": "pipeline parallelism"}
+_NOT_IMPLEMENTED_YET = {"expert": "expert parallelism",
+                        "expert_tensor": "expert tensor parallelism",
+                        "pipeline": "pipeline parallelism"}
 
 
 def _fail(path: str, value, valid: str) -> None:

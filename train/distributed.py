@@ -73,10 +73,6 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 def shutdown() -> None:
     if dist.is_initialized():
+        dist.barrier()  # a rank leaving early can abort the others' last collectives
         dist.destroy_process_group()
 
-
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -14,14 +14,14 @@ import torch
 from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
 from model.k3 import K3Model
-from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
+from parallel.apply import ParallelPlan, parallelize
+from parallel.topology import Topology
 
-from .activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 from .checkpoint import Checkpointer
 from .checkpoint_integrity import resume_checkpoint
 from .config import TrainConfig, validate_train_config
 from .data import build_loader
-from .distributed import DistEnv, all_reduce_sum, init_distributed, init_topology, shutdown
+from .distributed import DistEnv, init_distributed, init_topology, shutdown
 from .flops import PeakFlops, training_flops_per_token
 from .metrics import MetricsLogger
 from .optim.factory import build_optimizer, describe_groups, set_lr
@@ -57,19 +57,70 @@ def write_marker(path: Path, step: int, env: DistEnv) -> None:
         path.write_text(json.dumps({"step": step, "time": time.time()}))
 
 
-def forward_backward(model: K3Model, micro_batches: list[K3Batch], env: DistEnv,
-                     precision: PrecisionPlan) -> torch.Tensor:
+def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch.device,
+                     precision: PrecisionPlan, parallel: ParallelPlan) -> torch.Tensor:
     """Accumulates gradients of the global-token-mean loss; returns the step's mean loss."""
+    micro_batches = [parallel.local_batch(mb) for mb in micro_batches]
     local_tokens = sum(mb.num_loss_tokens for mb in micro_batches)
-    global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)], device=env.device))
-    loss_sum = torch.zeros((), device=env.device)
+    global_tokens = parallel.sum_loss_tokens(torch.tensor([float(local_tokens)], device=device))
+    loss_sum = torch.zeros((), device=device)
     for mb in micro_batches:
-        with precision.autocast():
-            out = model(mb.to(env.device))
-        loss = out.loss_sum / global_tokens.squeeze().clamp_min(1.0)
-        loss.backward()
+        with parallel.loss_context():
+            with precision.autocast():
+                out = model(mb.to(device))
+            loss = out.loss_sum / global_tokens.squeeze().clamp_min(1.0)
+            loss.backward()
         loss_sum += loss.detach()
-    return all_reduce_sum(loss_sum)
+    return parallel.sum_loss_tokens(loss_sum)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    finite: bool
+    clip_row: dict
+
+
+def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
+               micro_batches: list[K3Batch], device: torch.device, precision: PrecisionPlan,
+               parallel: ParallelPlan, optim_cfg, on_gradients=None) -> StepResult:
+    """One optimizer step on the micro-batches of this rank; the same code for every layout.
+    `on_gradients(model)` sees the reduced gradients before clipping (tests read them)."""
+    loss = forward_backward(model, micro_batches, device, precision, parallel)
+    parallel.finish_gradients()
+    if on_gradients is not None:
+        on_gradients(model)
+    max_norm = optim_cfg.clip_grad_norm if optim_cfg.clip_grad_norm > 0 else math.inf
+    grad_norm = parallel.clip_grad_norm_(max_norm)
+    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if finite:
+        for opt in optimizers:
+            opt.step()
+        parallel.after_optimizer_step()
+    clip_row = precision.end_step(model, optim_cfg.qk_clip_tau, updated=finite,
+                                  clip=parallel.qk_clip_)
+    for moe in model.moe_layers():
+        if moe.balancer is not None:
+            moe.balancer.update() if finite else moe.balancer.clear()
+    model.zero_grad(set_to_none=True)  # all of them: a ZeRO-1 rank's optimizer holds only its own
+    return StepResult(loss, grad_norm, finite, clip_row)
+
+
+def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: torch.device
+                         ) -> tuple[K3Model, PrecisionPlan, ParallelPlan,
+                                    list[torch.optim.Optimizer]]:
+    """Model, precision, layout and optimizers, in that order (the optimizers see the sharded
+    parameters)."""
+    model = K3Model(cfg.model).to(device)
+    precision = PrecisionPlan.build(cfg.precision, device, model, cfg.optim.qk_clip_tau)
+    parallel = parallelize(model, topology, cfg, autocast=precision.autocast)
+    optimizers = build_optimizer(model, cfg.optim, owns=parallel.owns,
+                                 exchange=parallel.exchange)
+    for moe in model.moe_layers():
+        if moe.balancer is not None:
+            moe.balancer.reduce_fn = parallel.sum_balancer_counts
+    return model, precision, parallel, optimizers
 
 
 def train(cfg: TrainConfig) -> int:
@@ -84,20 +135,13 @@ def train(cfg: TrainConfig) -> int:
         (run_dir / "DONE").unlink(missing_ok=True)
     dp_size = topology.dp
     accum = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * dp_size)
-
-    model = K3Model(cfg.model).to(env.device)
-    precision = PrecisionPlan.build(cfg.precision, env.device, model, cfg.optim.qk_clip_tau)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model, precision.autocast)
-    if cfg.compile:
-        compile_sublayers(model)
-    optimizers = build_optimizer(model, cfg.optim)
+    model, precision, parallel, optimizers = build_parallel_model(
+        cfg, topology if env.world_size > 1 else None, env.device)
     if env.is_main:
+        log.info("layout: %s", topology.describe())
         log.info("optimizer groups:\n%s", describe_groups(model, optimizers))
-    loader = build_loader(cfg, dp_rank=env.rank, dp_size=dp_size)
-    balancers = [moe.balancer for moe in model.moe_layers() if moe.balancer is not None]
-    for balancer in balancers:
-        balancer.reduce_fn = all_reduce_sum
+    dp_rank = topology.rank_in("dp") if env.world_size > 1 else 0
+    loader = build_loader(cfg, dp_rank=dp_rank, dp_size=dp_size)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
                         env.world_size)
     step = 0
@@ -110,7 +154,7 @@ def train(cfg: TrainConfig) -> int:
                             run_config=asdict(cfg))
     if fallbacks:
         metrics.note("resume/rejected_checkpoints", " | ".join(fallbacks))
-    validator = (Validator(cfg, manifest_path(Path(cfg.data.output_dir).resolve()), env.rank,
+    validator = (Validator(cfg, manifest_path(Path(cfg.data.output_dir).resolve()), dp_rank,
                            dp_size) if cfg.eval.every > 0 else None)
     eta = Eta(cfg.steps)
     flops_per_token = training_flops_per_token(cfg.model, cfg.stage.seq_len)
@@ -132,30 +176,16 @@ def train(cfg: TrainConfig) -> int:
                        warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
                        min_lr_ratio=cfg.optim.min_lr_ratio)
             set_lr(optimizers, lr)
-            loss = forward_backward(model, [next(batches) for _ in range(accum)], env, precision)
-            fill_missing_gradients(model)
-            allreduce_gradients(model)
-            max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
-            if finite:
-                for opt in optimizers:
-                    opt.step()
-                nonfinite_in_a_row = 0
-            else:
-                nonfinite_in_a_row += 1
-            clip_row = precision.end_step(model, cfg.optim.qk_clip_tau, updated=finite)
-            for balancer in balancers:
-                if finite:
-                    balancer.update()
-                else:
-                    balancer.clear()
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
+            result = train_step(model, optimizers, [next(batches) for _ in range(accum)],
+                                env.device, precision, parallel, cfg.optim)
+            loss, grad_norm, finite = result.loss, result.grad_norm, result.finite
+            nonfinite_in_a_row = 0 if finite else nonfinite_in_a_row + 1
+            clip_row = result.clip_row
             step += 1
             elapsed = time.perf_counter() - t0
             evaluated = validator is not None and Validator.due(cfg, step)
-            val = {"val_loss": validator.loss(model, env, precision)} if evaluated else {}
+            val = ({"val_loss": validator.loss(model, env, precision, parallel.local_batch)}
+                   if evaluated else {})
             eta_s = eta.update(step, time.perf_counter() - t0)
             if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite or evaluated:
                 tps = tokens_per_step / elapsed

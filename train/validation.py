@@ -33,14 +33,17 @@ class Validator:
         return every > 0 and (step % every == 0 or step == cfg.steps)
 
     @torch.no_grad()
-    def loss(self, model: torch.nn.Module, env: DistEnv, precision) -> float:
+    def loss(self, model: torch.nn.Module, env: DistEnv, precision,
+             local_batch=lambda batch: batch) -> float:
+        """Mean loss over the held-out batches; `local_batch` takes this rank's part of each
+        (its context-parallel fragment)."""
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, tokens
         try:
             for mb in (self.source[s] for s in range(self.micro_batches)):
                 with precision.autocast():
-                    out = model(mb.to(env.device))
+                    out = model(local_batch(mb).to(env.device))
                 total += torch.stack([out.loss_sum.double(), out.num_tokens.double()])
         finally:
             model.train(was_training)

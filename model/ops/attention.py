@@ -79,8 +79,8 @@ def segment_attention(
     else:
         qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
         if backend == "blockwise":
-            o, max_logit = _BlockwiseAttention.apply(qh, kh, vh, _row_segments(segments),
-                                                     scale, causal)
+            o, max_logit = _BlockwiseAttention.apply(qh, kh, vh, *_row_segments(segments),
+                                                     scale, causal, 0)
         elif backend == "reference":
             allowed = dense_mask(segments, B, T, causal, q.device)
             o, max_logit = _reference(qh, kh, vh, allowed, scale)
@@ -92,8 +92,51 @@ def segment_attention(
         return o
     if max_logit is None:
         max_logit = _blockwise_max_logit(q.transpose(1, 2), k.transpose(1, 2),
-                                         _row_segments(segments), scale, causal)
+                                         _row_segments(segments), scale, causal, 0)
     return o, max_logit
+
+
+def offset_doc_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_segments: torch.Tensor,
+    k_segments: torch.Tensor,
+    q_offset: int,
+    scale: float,
+    backend: str = "blockwise",
+    return_max_logit: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Document-causal attention of queries that are key positions q_offset .. q_offset + Tq - 1
+    (a context-parallel rank's fragment against the keys gathered up to its end): q [B, Tq, H,
+    Dqk], k [B, Tk, H, Dqk], v [B, Tk, H, Dv], document ids q_segments [B, Tq] and k_segments
+    [B, Tk] (non-decreasing along each row, one numbering for both). Query i attends key j when
+    their ids match and j <= q_offset + i. backend: "blockwise" or "reference" (dense mask).
+    Returns o [B, Tq, H, Dv] fp32 (and max_logit [H])."""
+    if backend not in ("blockwise", "reference"):
+        raise ValueError(f"backend={backend!r} is invalid: must be 'blockwise' or 'reference'")
+    B, Tq, H, _ = q.shape
+    Tk = k.shape[1]
+    if (k.shape[0], k.shape[2:]) != (B, q.shape[2:]) or v.shape[:3] != (B, Tk, H):
+        raise ValueError(f"q must be [B, Tq, H, Dqk], k [B, Tk, H, Dqk] and v [B, Tk, H, Dv]: "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if q_segments.shape != (B, Tq) or k_segments.shape != (B, Tk):
+        raise ValueError(f"q_segments must be [B, Tq] and k_segments [B, Tk]: "
+                         f"{list(q_segments.shape)}, {list(k_segments.shape)}")
+    if not 0 <= q_offset <= Tk - Tq:
+        raise ValueError(f"q_offset={q_offset} is invalid: the queries must lie within the "
+                         f"{Tk} keys")
+    qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))
+    if backend == "reference":
+        allowed = (q_segments[:, None, :, None] == k_segments[:, None, None, :]) & torch.ones(
+            Tq, Tk, dtype=torch.bool, device=q.device).tril(q_offset)
+        o, max_logit = _reference(qh, kh, vh, allowed, scale)
+    else:
+        o, max_logit = _BlockwiseAttention.apply(qh, kh, vh,
+                                                 *_row_segments(q_segments, k_segments),
+                                                 scale, True, q_offset)
+    o = o.transpose(1, 2)
+    return (o, max_logit) if return_max_logit else o
 
 
 def dense_mask(segments: torch.Tensor | None, B: int, T: int, causal: bool,
@@ -163,15 +206,19 @@ def _varlen(q, k, v, cu_seqlens, scale, causal):
 # the difference between T^2/2 and the sum of the documents' L^2/2; the varlen kernel on CUDA
 # skips such tiles inside the kernel instead.
 
-def _row_segments(segments: torch.Tensor | None) -> torch.Tensor | None:
-    """Segment ids counted from each row's first, as fp32 (what the tiles' masks use): a row holds
-    at most T segments, so they are exact while T <= 2^24."""
+def _row_segments(segments: torch.Tensor | None,
+                  k_segments: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    """(query, key) segment ids counted from each row's first key, as fp32 (what the tiles'
+    masks use): a row holds at most T segments, so they are exact while T <= 2^24. Without
+    k_segments the keys are the queries."""
     if segments is None:
-        return None
-    if segments.shape[1] > 2**24:
-        raise ValueError(f"T={segments.shape[1]} tokens per row exceeds the blockwise backend's "
+        return None, None
+    keys = segments if k_segments is None else k_segments
+    if keys.shape[1] > 2**24:
+        raise ValueError(f"T={keys.shape[1]} tokens per row exceeds the blockwise backend's "
                          f"limit of 2^24")
-    return (segments - segments[:, :1]).float()
+    base = keys[:, :1]
+    return (segments - base).float(), (keys - base).float()
 
 
 def _query_blocks(T: int) -> list[tuple[int, int]]:
@@ -192,18 +239,21 @@ def _forbidden_bias(x: torch.Tensor) -> torch.Tensor:
     return x.mul_(1e38).mul_(-1e38)
 
 
-def _masked_scores(q_tile, k, segments, q_start, k_start, k_end, causal):
+def _masked_scores(q_tile, k, q_segments, k_segments, q_start, k_start, k_end, causal,
+                   q_offset):
     """Scores of an (already scaled) query tile [B, H, bq, D] against keys k_start:k_end,
-    -inf where the key is in another segment or (causal) after the query. `segments` [B, T]
-    are fp32 segment ids counted from each row's first (exact: T <= 2^24)."""
+    -inf where the key is in another segment or (causal) after the query. `q_segments` [B, Tq]
+    and `k_segments` [B, Tk] are fp32 segment ids (_row_segments: exact while T <= 2^24);
+    query row i is key position q_offset + i."""
     scores = q_tile @ k[:, :, k_start:k_end].transpose(-1, -2)
     q_end = q_start + q_tile.shape[-2]
     bias = None
-    if segments is not None:
-        bias = _forbidden_bias((segments[:, None, q_start:q_end, None]
-                                - segments[:, None, None, k_start:k_end]).abs_())
-    if causal and k_end > q_start:  # only the tile holding the diagonal has keys after queries
-        rows = torch.arange(q_start, q_end, device=scores.device, dtype=scores.dtype)
+    if q_segments is not None:
+        bias = _forbidden_bias((q_segments[:, None, q_start:q_end, None]
+                                - k_segments[:, None, None, k_start:k_end]).abs_())
+    first, last = q_offset + q_start, q_offset + q_end
+    if causal and k_end > first:  # only the tiles holding the diagonal have keys after queries
+        rows = torch.arange(first, last, device=scores.device, dtype=scores.dtype)
         cols = torch.arange(k_start, k_end, device=scores.device, dtype=scores.dtype)
         after = _forbidden_bias((cols - rows[:, None]).clamp_(min=0))
         bias = after if bias is None else bias.add_(after)
@@ -217,9 +267,10 @@ class _BlockwiseAttention(torch.autograd.Function):
     allowed logits, so QK-Clip's statistic comes for free."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segments, scale, causal):
+    def forward(ctx, q, k, v, q_segments, k_segments, scale, causal, q_offset):
         q, k, v = (x.contiguous() for x in (q, k, v))
         B, H, T, _ = q.shape
+        Tk = k.shape[-2]
         q_scaled = q * scale
         o = q.new_empty(B, H, T, v.shape[-1])
         lse = q.new_empty(B, H, T)
@@ -229,8 +280,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             m = q.new_full((B, H, q_end - q_start), float("-inf"))
             denom = q.new_zeros(B, H, q_end - q_start)
             acc = q.new_zeros(B, H, q_end - q_start, v.shape[-1])
-            for k_start, k_end in _key_blocks(q_end, T, causal):
-                scores = _masked_scores(q_tile, k, segments, q_start, k_start, k_end, causal)
+            for k_start, k_end in _key_blocks(q_offset + q_end, Tk, causal):
+                scores = _masked_scores(q_tile, k, q_segments, k_segments, q_start, k_start,
+                                        k_end, causal, q_offset)
                 m_new = torch.maximum(m, scores.amax(dim=-1))
                 # A row with no allowed key yet (non-causal: its segment lies elsewhere) keeps
                 # m = -inf; shifting by 0 there gives exp(-inf) = 0 instead of NaN.
@@ -243,8 +295,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             o[:, :, q_start:q_end] = acc / denom.unsqueeze(-1)
             lse[:, :, q_start:q_end] = m + denom.log()
             row_max[:, :, q_start:q_end] = m
-        ctx.save_for_backward(q, k, v, segments, o, lse)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.save_for_backward(q, k, v, q_segments, k_segments, o, lse)
+        ctx.scale, ctx.causal, ctx.q_offset = scale, causal, q_offset
         max_logit = row_max.amax(dim=(0, 2))
         ctx.mark_non_differentiable(max_logit)
         return o, max_logit
@@ -252,9 +304,9 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_o, _grad_max_logit):
-        q, k, v, segments, o, lse = ctx.saved_tensors
-        scale, causal = ctx.scale, ctx.causal
-        T = q.shape[-2]
+        q, k, v, q_segments, k_segments, o, lse = ctx.saved_tensors
+        scale, causal, q_offset = ctx.scale, ctx.causal, ctx.q_offset
+        T, Tk = q.shape[-2], k.shape[-2]
         q_scaled = q * scale
         grad_o = grad_o.contiguous()
         delta = (grad_o * o).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
@@ -265,26 +317,28 @@ class _BlockwiseAttention(torch.autograd.Function):
             lse_tile = lse[:, :, q_start:q_end].unsqueeze(-1)
             delta_tile = delta[:, :, q_start:q_end]
             dq_tile = dq[:, :, q_start:q_end]
-            for k_start, k_end in _key_blocks(q_end, T, causal):
+            for k_start, k_end in _key_blocks(q_offset + q_end, Tk, causal):
                 keys = slice(k_start, k_end)
-                scores = _masked_scores(q_tile, k, segments, q_start, k_start, k_end, causal)
+                scores = _masked_scores(q_tile, k, q_segments, k_segments, q_start, k_start,
+                                        k_end, causal, q_offset)
                 p = scores.sub_(lse_tile).exp_()
                 dv[:, :, keys].add_(p.transpose(-1, -2) @ do_tile)
                 ds = (do_tile @ v[:, :, keys].transpose(-1, -2)).sub_(delta_tile).mul_(p)
                 dq_tile.add_(ds @ k[:, :, keys])
                 dk[:, :, keys].add_(ds.transpose(-1, -2) @ q_tile)
-        return dq * scale, dk, dv, None, None, None
+        return dq * scale, dk, dv, None, None, None, None, None
 
 
 @torch.no_grad()
-def _blockwise_max_logit(q, k, segments, scale, causal):
+def _blockwise_max_logit(q, k, segments, scale, causal, q_offset):
     """Per-head max of the allowed logits over the same tiles, for the backends that do not
-    report it (one extra Q K^T, no dense mask)."""
+    report it (one extra Q K^T, no dense mask). segments: _row_segments' pair."""
     q, k = q.float(), k.float()
-    T = q.shape[-2]
+    T, Tk = q.shape[-2], k.shape[-2]
     maxima = [
-        _masked_scores(q[:, :, q_start:q_end] * scale, k, segments, q_start, k_start, k_end,
-                       causal).amax(dim=(0, 2, 3))
-        for q_start, q_end in _query_blocks(T) for k_start, k_end in _key_blocks(q_end, T, causal)
+        _masked_scores(q[:, :, q_start:q_end] * scale, k, *segments, q_start, k_start, k_end,
+                       causal, q_offset).amax(dim=(0, 2, 3))
+        for q_start, q_end in _query_blocks(T)
+        for k_start, k_end in _key_blocks(q_offset + q_end, Tk, causal)
     ]
     return torch.stack(maxima).amax(dim=0)

@@ -37,7 +37,8 @@ def head_blocks(model: nn.Module) -> dict[str, int]:
     """Per-Head Muon's blocks (SPEC 7): parameter name -> number of row-block heads.
 
     KDA q/k/v projections in head_dim-row blocks, MLA q_b in (q_nope + q_rope)-row blocks and kv_b
-    in (k_nope + v)-row blocks; [H * rows, in] is viewed as [H, rows, in].
+    in (k_nope + v)-row blocks; [H * rows, in] is viewed as [H, rows, in]. Counted from the
+    logical (full) shapes, so a head-sharded model gives the same groups.
     """
     from model.kda import KimiDeltaAttention
     from model.mla import GatedMLA
@@ -46,10 +47,12 @@ def head_blocks(model: nn.Module) -> dict[str, int]:
     for name, module in model.named_modules():
         if isinstance(module, KimiDeltaAttention):
             for proj in ("q_proj", "k_proj", "v_proj"):
-                heads[f"{name}.{proj}.weight"] = module.num_heads
+                rows = getattr(module, proj).weight.shape[0]
+                heads[f"{name}.{proj}.weight"] = rows // module.head_dim
         elif isinstance(module, GatedMLA):
-            heads[f"{name}.q_b.weight"] = module.num_heads
-            heads[f"{name}.kv_b.weight"] = module.num_heads
+            heads[f"{name}.q_b.weight"] = module.q_b.weight.shape[0] // (module.nope + module.rope)
+            heads[f"{name}.kv_b.weight"] = module.kv_b.weight.shape[0] // (module.nope
+                                                                          + module.v_dim)
     return heads
 
 
@@ -74,23 +77,35 @@ def _muon_groups(model: nn.Module, roles, cfg) -> list[dict]:
             for h, params in sorted(by_heads.items())]
 
 
-def build_optimizer(model: nn.Module, cfg) -> list[torch.optim.Optimizer]:
+def build_optimizer(model: nn.Module, cfg, owns=None, exchange=None
+                    ) -> list[torch.optim.Optimizer]:
     """AdamW alone (optim.name=adamw), or Muon for hidden matrices plus AdamW for the rest
-    (optim.name=muon). Returns a list; DCP's get_state_dict takes it as it is."""
+    (optim.name=muon). Returns a list; DCP's get_state_dict takes it as it is.
+
+    `owns(name)`: the parameters this rank updates (ZeRO-1 shards whole tensors over the
+    data-parallel ranks; default all); an optimizer left without parameters is not built.
+    `exchange`: Muon's MatrixExchange for sharded parameters (default: whole on this rank)."""
     roles = param_groups_by_role(model)
+    if owns is not None:
+        roles = {role: [(n, p) for n, p in named if owns(n)] for role, named in roles.items()}
     adamw_kwargs = dict(betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "adamw":
-        return [torch.optim.AdamW(_adamw_groups(roles, cfg, 1.0, True), lr=cfg.lr,
-                                  **adamw_kwargs)]
+        groups = _adamw_groups(roles, cfg, 1.0, True)
+        return [torch.optim.AdamW(groups, lr=cfg.lr, **adamw_kwargs)] if groups else []
     if cfg.name == "muon":
         from .muon import Muon
 
         adamw_lr = cfg.adamw_lr if cfg.adamw_lr is not None else cfg.lr
-        muon = Muon(_muon_groups(model, roles, cfg), lr=cfg.lr, momentum=cfg.momentum,
-                    nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps)
-        adamw = torch.optim.AdamW(_adamw_groups(roles, cfg, adamw_lr / cfg.lr, False),
-                                  lr=adamw_lr, **adamw_kwargs)
-        return [muon, adamw]
+        muon_groups = _muon_groups(model, roles, cfg)
+        adamw_groups = _adamw_groups(roles, cfg, adamw_lr / cfg.lr, False)
+        optimizers = []
+        if muon_groups:
+            optimizers.append(Muon(muon_groups, lr=cfg.lr, momentum=cfg.momentum,
+                                   nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+                                   ns_steps=cfg.ns_steps, exchange=exchange))
+        if adamw_groups:
+            optimizers.append(torch.optim.AdamW(adamw_groups, lr=adamw_lr, **adamw_kwargs))
+        return optimizers
     raise ValueError(f"optim.name={cfg.name!r}: must be one of ['adamw', 'muon']")
 
 

@@ -13,16 +13,21 @@ matrix, or `num_heads` head blocks; a 3-D weight [E, out, in] (stacked experts) 
 With a single head this is torch.optim.Muon(adjust_lr_fn="match_rms_adamw") step for step; with
 heads it is stock Muon run on each head block as a separate parameter.
 
-Sharded layouts: Newton-Schulz needs whole matrices. The optimizer hands every update to a
-MatrixExchange (`gather` before orthogonalising, `scatter` after); the default is local (the
+Sharded layouts: Newton-Schulz needs whole matrices. The optimizer hands all of a step's
+updates to a MatrixExchange, which assembles blocks of whole matrices (the whole logical update,
+or the whole heads a tensor-parallel rank holds), has each orthogonalised once (by an owner
+rank, in a distributed exchange) and returns every rank's part; the default is local (every
 parameter is whole). A parallel plan passes its own exchange to the constructor; it lives outside
-the param groups so that checkpoints (which save the groups) hold no process groups.
+the param groups so that checkpoints (which save the groups) hold no process groups. Groups keep
+the logical head count (`num_heads` of the full parameter), so they mean the same in every
+layout.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypedDict
 
 import torch
@@ -65,26 +70,37 @@ class MuonParamGroup(TypedDict, total=False):
     name: str
 
 
+@dataclass(eq=False)
+class MatrixJob:
+    """One parameter's update for the exchange. `update` is this rank's part, shaped like
+    `param`; `param.shape` is the logical shape (DTensors report the full one)."""
+
+    update: torch.Tensor
+    param: torch.Tensor
+    num_heads: int
+    head_axis: int
+    ns_steps: int = 5
+    ns_dtype: torch.dtype | None = None
+
+
+# Orthogonalises a block of whole matrices of a job: the full logical update, or a slice of
+# whole heads along the job's head axis.
+Orthogonalize = Callable[[torch.Tensor, MatrixJob], torch.Tensor]
+
+
 class MatrixExchange(Protocol):
-    """Seam for sharded parameters: whole matrices in, local shards out."""
+    """Seam for sharded parameters: whole matrices orthogonalised, local parts returned."""
 
-    def gather(self, update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """The full logical update of `param` (all shards), from this rank's `update`."""
-        ...
-
-    def scatter(self, update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full orthogonalised `update`, shaped like `param`."""
+    def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
+        """Each job's orthogonalised update, this rank's part shaped like its `update`."""
         ...
 
 
 class LocalExchange:
     """Every parameter is whole on this rank."""
 
-    def gather(self, update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        return update
-
-    def scatter(self, update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        return update
+    def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
+        return [ortho(job.update, job) for job in jobs]
 
 
 def split_heads(x: torch.Tensor, num_heads: int, head_axis: int) -> torch.Tensor:
@@ -106,6 +122,15 @@ def merge_heads(
     rows, cols = shape[-2:]
     blocks = batch.reshape(*shape[:-2], num_heads, rows, cols // num_heads).transpose(-3, -2)
     return blocks.reshape(shape)
+
+
+def orthogonalize(block: torch.Tensor, job: MatrixJob) -> torch.Tensor:
+    """Newton-Schulz on every matrix of a block of whole heads (or whole matrices) of a job."""
+    axis = job.head_axis - 2
+    heads = job.num_heads * block.shape[axis] // job.param.shape[axis]
+    matrices = split_heads(block, heads, job.head_axis)
+    ortho = newton_schulz(matrices, job.ns_steps, job.ns_dtype)
+    return merge_heads(ortho.to(job.param.dtype), block.shape, heads, job.head_axis)
 
 
 def _check_group(group: dict[str, Any], index: int) -> None:
@@ -168,29 +193,31 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        jobs, groups = [], []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group)
+                    update = self._momentum_update(p, group)
+                    jobs.append(MatrixJob(update, p, group["num_heads"], group["head_axis"],
+                                          group["ns_steps"], group["ns_dtype"]))
+                    groups.append(group)
+        orthos = self.exchange.orthogonalize(jobs, orthogonalize)
+        for job, group, ortho in zip(jobs, groups, orthos):
+            p, lr = job.param, group["lr"]
+            rows, cols = job.param.shape[-2:]
+            matrix = (rows // job.num_heads, cols) if job.head_axis == 0 else (
+                rows, cols // job.num_heads)
+            scale = UPDATE_SCALES[group["adjust_lr"]](*matrix)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(ortho, alpha=-(lr * scale))
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _momentum_update(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         grad, momentum = p.grad, group["momentum"]
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-        full = self.exchange.gather(update, p)
-        num_heads, head_axis = group["num_heads"], group["head_axis"]
-        matrices = split_heads(full, num_heads, head_axis)
-        ortho = newton_schulz(matrices, group["ns_steps"], group["ns_dtype"])
-        ortho = merge_heads(ortho.to(p.dtype), full.shape, num_heads, head_axis)
-        local = self.exchange.scatter(ortho, p)
-
-        lr = group["lr"]
-        scale = UPDATE_SCALES[group["adjust_lr"]](*matrices.shape[-2:])
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(local, alpha=-(lr * scale))

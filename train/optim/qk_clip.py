@@ -6,7 +6,8 @@ sqrt(gamma) and q_rope by gamma scales every logit of that head by gamma, so its
 The shared k_rope (one for all heads) and v are left alone. Other heads are untouched bit for bit
 (their factor is exactly 1).
 
-Head-parallel shards work as they are: pass the local heads' weights, logits and count.
+Head-parallel shards work as they are: pass the local heads' weights, logits and count; for
+weights sharded otherwise (FSDP rows), `qk_clip_factors` gives the per-row factors to apply.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 
 def _head_factors(gamma: torch.Tensor, first_dim: int, first_power: float, rest_dim: int,
                   rest_power: float) -> torch.Tensor:
-    """[H, first_dim + rest_dim, 1] row factors: gamma**first_power then gamma**rest_power."""
+    """[H, first_dim + rest_dim] row factors: gamma**first_power then gamma**rest_power."""
     first = gamma.pow(first_power)[:, None].expand(-1, first_dim)
     rest = gamma.pow(rest_power)[:, None].expand(-1, rest_dim)
-    return torch.cat([first, rest], dim=1)[:, :, None]
+    return torch.cat([first, rest], dim=1)
 
 
 @torch.no_grad()
@@ -48,13 +49,21 @@ def qk_clip_(
             raise ValueError(f"qk_clip_: {name} has {got} rows/entries, expected {want} for "
                              f"num_heads={num_heads}, nope={qk_nope_dim}, rope={qk_rope_dim}, "
                              f"v={v_dim}")
+    q_factors, kv_factors, clipped = qk_clip_factors(max_logits, tau, qk_nope_dim, qk_rope_dim,
+                                                     v_dim)
+    q_b_weight.mul_(q_factors[:, None].to(q_b_weight.dtype))
+    kv_b_weight.mul_(kv_factors[:, None].to(kv_b_weight.dtype))
+    return clipped
+
+
+def qk_clip_factors(max_logits: torch.Tensor, tau: float, qk_nope_dim: int, qk_rope_dim: int,
+                    v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row factors of QK-Clip for the heads of `max_logits` [H]: ([H*(nope+rope)] for q_b,
+    [H*(nope+v)] for kv_b, number of clipped heads), fp32, no host sync."""
     logits = max_logits.detach().float()
     exceeds = logits > tau
     # Heads at or below tau get exactly 1.0, so multiplying leaves their weights bit-identical.
     gamma = torch.where(exceeds, tau / logits, torch.ones_like(logits))
-
     q_factors = _head_factors(gamma, qk_nope_dim, 0.5, qk_rope_dim, 1.0)
-    q_b_weight.view(num_heads, qk_nope_dim + qk_rope_dim, -1).mul_(q_factors.to(q_b_weight.dtype))
     kv_factors = _head_factors(gamma, qk_nope_dim, 0.5, v_dim, 0.0)
-    kv_b_weight.view(num_heads, qk_nope_dim + v_dim, -1).mul_(kv_factors.to(kv_b_weight.dtype))
-    return exceeds.sum()
+    return q_factors.reshape(-1), kv_factors.reshape(-1), exceeds.sum()

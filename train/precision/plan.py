@@ -60,23 +60,25 @@ class PrecisionPlan:
                 stack.enter_context(self.te.autocast())
             yield
 
-    def end_step(self, model: K3Model, tau: float, updated: bool) -> dict[str, float]:
+    def end_step(self, model: K3Model, tau: float, updated: bool, clip=None
+                 ) -> dict[str, float]:
         """After the optimizer step (or a skipped one): applies QK-Clip to every MLA layer whose
-        recorded max logit exceeded tau, resets the records, returns figures to log."""
+        recorded max logit exceeded tau, resets the records, returns figures to log.
+        `clip(mla, tau) -> (max logit, clipped heads)` is the layout's QK-Clip
+        (parallel.apply.ParallelPlan.qk_clip_); default: one process."""
         if not self.qk_clip:
             return {}
-        from train.distributed import all_reduce_max
-        from train.optim.qk_clip import qk_clip_
-
+        clip = clip or _clip_one_process
         max_logits, clipped = [], []
         for mla in model.mla_layers():
             if mla.max_logit is None:
                 continue
-            all_reduce_max(mla.max_logit)  # every data-parallel replica clips the same heads
-            max_logits.append(mla.max_logit.max())
             if updated:
-                clipped.append(qk_clip_(mla.q_b.weight, mla.kv_b.weight, mla.max_logit, tau,
-                                        mla.num_heads, mla.nope, mla.rope, mla.v_dim))
+                top, count = clip(mla, tau)
+                clipped.append(count)
+            else:
+                top = mla.max_logit.max()
+            max_logits.append(top)
             mla.max_logit = None
         if not max_logits:
             return {}
@@ -84,3 +86,11 @@ class PrecisionPlan:
         if clipped:
             row["attn/clipped_heads"] = int(torch.stack(clipped).sum())
         return row
+
+
+def _clip_one_process(mla, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from train.optim.qk_clip import qk_clip_
+
+    count = qk_clip_(mla.q_b.weight, mla.kv_b.weight, mla.max_logit, tau, mla.num_heads,
+                     mla.nope, mla.rope, mla.v_dim)
+    return mla.max_logit.max(), count

@@ -1,0 +1,177 @@
+"""The one entry from the training loop into parallelism: `parallelize(model, topology, cfg)`.
+
+Order (torchtitan's): tensor/sequence parallelism -> context parallelism -> (expert
+parallelism: its own plan, later) -> activation checkpointing -> torch.compile -> data
+parallelism. Context-parallel ranks hold different tokens of one model replica, so for the
+gradients (and ZeRO-1 ownership) they are data-parallel ranks: data parallelism runs over
+dp_shard x cp (torchtitan's dp_shard_cp). The returned
+`ParallelPlan` is everything the loop needs that depends on the layout, so the loop never
+branches on it: the loss context, the optimizer's ownership and Muon exchange, the gradient
+finish and norm, the post-step broadcast, and the reductions over named groups (loss tokens over
+dp x cp, Quantile Balancing over the ranks that see the same experts, QK-Clip's max logit over
+dp x cp with heads apart under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from model.k3 import K3Model
+from model.mla import GatedMLA
+from train.optim.muon import LocalExchange, MatrixExchange
+from train.optim.qk_clip import qk_clip_factors
+
+from .context_parallel import ContextParallel, apply_context_parallel, shard_batch
+from .data_parallel import ZeroOneOwnership, apply_data_parallel, fill_missing_gradients
+from .muon_exchange import DTensorExchange
+from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+@dataclass
+class ParallelPlan:
+    model: K3Model
+    topology: object | None  # parallel.topology.Topology; None: one process
+    zero: ZeroOneOwnership | None = None
+    data_parallel: bool = False
+    exchange: MatrixExchange = LocalExchange()
+    context: ContextParallel | None = None
+
+    def _group(self, name: str):
+        return None if self.topology is None else self.topology.group(name)
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.topology is None else self.topology.tp
+
+    def local_batch(self, batch):
+        """This rank's part of a micro-batch: its context-parallel fragment, or all of it."""
+        if self.context is None:
+            return batch
+        return shard_batch(batch, self.context.rank, self.context.size)
+
+    def loss_context(self):
+        """Wraps forward and backward (vocabulary-parallel cross entropy)."""
+        return loss_context(self.tp)
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank's optimizer updates (and keeps state for) parameter `name`."""
+        return self.zero is None or self.zero.owns(name)
+
+    def sum_loss_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """Over the ranks that hold different tokens of the same model replica step: dp x cp."""
+        return _all_reduce(t, dist.ReduceOp.SUM, self._group("dp_cp"))
+
+    def sum_balancer_counts(self, t: torch.Tensor) -> torch.Tensor:
+        """Quantile Balancing statistics over the ranks that route different tokens to the same
+        experts: dp x cp (tensor-parallel ranks route the same gathered tokens)."""
+        return _all_reduce(t, dist.ReduceOp.SUM, self._group("dp_cp"))
+
+    def finish_gradients(self) -> None:
+        """After backward: gradients for unreached parameters and, without data parallelism's
+        reduction, the tensor-parallel partial sums completed."""
+        if not self.data_parallel:
+            reduce_partial_gradients(self.model)
+        fill_missing_gradients(self.model)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over parameters that live on different meshes (dense
+        DTensors on dp x tp, 1-D dp shards, plain tensors): squared norms summed per tensor."""
+        squares = []
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            norm = torch.linalg.vector_norm(p.grad)
+            squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+        total = torch.stack(squares).sum().sqrt()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
+
+    def after_optimizer_step(self) -> None:
+        if self.zero is not None:
+            self.zero.broadcast_updates()
+
+    @torch.no_grad()
+    def qk_clip_(self, mla: GatedMLA, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """QK-Clip of one MLA layer from its recorded max logits (this rank's heads): the max
+        over dp x cp, then every weight row scaled by its head's factor, whatever the layout of
+        q_b/kv_b. Returns (max logit, clipped heads) of this rank's heads."""
+        logits = _all_reduce(mla.max_logit, dist.ReduceOp.MAX, self._group("dp_cp"))
+        q_rows, kv_rows, clipped = qk_clip_factors(logits, tau, mla.nope, mla.rope, mla.v_dim)
+        _scale_rows_(mla.q_b.weight, q_rows)
+        _scale_rows_(mla.kv_b.weight, kv_rows)
+        return logits.max(), clipped
+
+
+def _scale_rows_(weight: torch.Tensor, factors: torch.Tensor) -> None:
+    """weight[i, :] *= factors[i] for the rows this rank holds. `factors` covers this rank's
+    heads: all rows, or the tensor-parallel shard."""
+    if not isinstance(weight, DTensor):
+        weight.mul_(factors[:, None].to(weight.dtype))
+        return
+    mesh, names = weight.device_mesh, weight.device_mesh.mesh_dim_names
+    held = [Shard(0) if names[i] == "tp" else Replicate() for i in range(mesh.ndim)]
+    rows = DTensor.from_local(factors[:, None].to(weight.dtype), mesh, held,
+                              shape=(weight.shape[0], 1), stride=(1, 1))
+    target = [pl if isinstance(pl, (Shard, _StridedShard)) else Replicate()
+              for pl in weight.placements]
+    weight.to_local().mul_(rows.redistribute(mesh, target).to_local())
+
+
+def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
+                ) -> ParallelPlan:
+    """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
+    one process) to `model` in place, with activation checkpointing and compile from `cfg`
+    (a TrainConfig)."""
+    from train.activation_checkpointing import apply_activation_checkpointing, compile_sublayers
+
+    if topology is not None and topology.pp * topology.ep * topology.etp > 1:
+        raise NotImplementedError("pipeline and expert parallelism plug in here; they are "
+                                  "separate plans not applied yet")
+    plan = ParallelPlan(model, topology)
+    mesh = None
+    shard_dim = "dp_shard"
+    if topology is not None and topology.world_size > 1:
+        shard_dim = "dp_shard_cp" if topology.cp > 1 else "dp_shard"
+        mesh = topology.mesh("dp_replicate", shard_dim, "tp")
+    if mesh is not None and topology.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel)
+    if mesh is not None and topology.cp > 1:
+        plan.context = apply_context_parallel(model, topology)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model, autocast)
+    if cfg.compile:
+        compile_sublayers(model)
+    if mesh is not None and topology.dp * topology.cp > 1:
+        mode = topology.data_shard
+        if mode != "full" and topology.dp_replicate > 1:
+            raise NotImplementedError("parallel.data_replicate > 1 is HSDP: it needs "
+                                      "parallel.data_shard=full")
+        dp_mesh = (mesh["dp_replicate", shard_dim] if topology.dp_replicate > 1
+                   else mesh[shard_dim])
+        apply_data_parallel(model, dp_mesh, mode)
+        plan.data_parallel = True
+        if mode == "optimizer":
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            plan.zero = ZeroOneOwnership(params, topology.group("dp_cp"))
+    if mesh is not None:
+        plan.exchange = DTensorExchange()
+    return plan
+

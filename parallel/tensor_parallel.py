@@ -1,0 +1,214 @@
+"""Tensor and sequence parallelism for K3, applied from outside with DTensor plans.
+
+Parameters become DTensors on the tensor-parallel mesh (so optimizers, gradient clipping and
+checkpoints see logical, full-shape tensors); between blocks the activations are DTensors too:
+sharded along the sequence with `sequence_parallel` (norms and AttnRes mixes then work on T/tp
+tokens), replicated without it.
+
+Per module kind:
+- KDA: q/k/v, output gate, beta and decay up-projections, the short convs, A_h and b_alpha
+  sharded by head; the low-rank decay down-projection and the head-wise norm replicated; the
+  output projection row-parallel (its partial sums reduced, or reduce-scattered under SP).
+- MLA: q_b and kv_b (and the output gate) sharded by head; the low-rank down-projections and
+  their norms replicated; the output projection row-parallel.
+- Dense MLP: the fused gate/up projection column-parallel with a strided shard (each rank holds
+  its slice of the gate rows and of the up rows), the down projection row-parallel.
+- MoE: replicated on the tensor-parallel ranks (expert parallelism shards experts; a separate
+  plan), computed on the gathered tokens.
+- Embedding: vocab-parallel; LM head: column-parallel over the vocab with `loss_parallel`, so the
+  full fp32 logits of the whole vocab never exist on one rank.
+
+Attention (and the MLP) run on plain local per-head tensors (`LocalCompute`): torch has no
+DTensor sharding rule for SDPA on CPU, and the KDA ops are ours. The model's views take the
+head count from the projections' outputs, so the model itself is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.nn.utils.stateless import _reparametrize_module
+
+from model.k3 import K3Model
+from model.kda import KimiDeltaAttention
+from model.mla import GatedMLA
+from model.mlp import SiTUGLUMLP
+from model.moe import LatentMoE
+
+
+def _distribute_parameters(module: nn.Module, mesh: DeviceMesh,
+                           placements: dict[str, Placement]) -> list[tuple[str, nn.Parameter]]:
+    """Replaces every parameter of `module` (recursively) by a DTensor parameter; placements by
+    name relative to `module`, Replicate where not named."""
+    out = []
+    for name, param in list(module.named_parameters()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        placement = placements.get(name, Replicate())
+        dt = nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
+                          requires_grad=param.requires_grad)
+        owner.register_parameter(leaf, dt)
+        out.append((name, dt))
+    return out
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity whose backward completes a partial-sum gradient. Without sequence parallelism
+    DTensor keeps the gradients of the replicated activations partial (lazily, a sum of the
+    heads' contributions), which the vocab-parallel embedding's masked partial cannot absorb;
+    so they are reduced once, at the embedding's output. (Under SP the reduce-scatters back to
+    Shard(1) complete them.)"""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> DTensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        return grad.redistribute(placements=[Replicate()])
+
+
+class LocalCompute(ParallelStyle):
+    """Runs a module on plain local tensors while its parameters stay DTensors.
+
+    The input DTensor is gathered to a full local tensor; each parameter is handed to the
+    forward as its local shard. Sharded parameters (by head / by column) give exactly the local
+    part of the gradient; replicated ones give a partial sum (`param_grad`) that the data-parallel
+    reduction (or `reduce_partial_gradients`) completes. The local output is a partial sum
+    (row-parallel projections) or a replicated value (`output`), turned back into the
+    activation layout `activation`.
+    """
+
+    def __init__(self, shards: dict[str, Placement], *, param_grad: Placement,
+                 input_grad: Placement, output: Placement, activation: Placement):
+        super().__init__()
+        self.shards = shards
+        self.param_grad, self.input_grad = param_grad, input_grad
+        self.output, self.activation = output, activation
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute_parameters(module, device_mesh, self.shards)
+        module.forward = functools.partial(self._forward, module, module.forward, device_mesh)
+        return module
+
+    def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x, *args, **kwargs):
+        local = {}
+        for name, p in module.named_parameters():
+            grad = self.param_grad if isinstance(p.placements[0], Replicate) else p.placements[0]
+            local[name] = p.to_local(grad_placements=[grad])
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[self.input_grad])
+        with _reparametrize_module(module, local):
+            out = forward(x, *args, **kwargs)
+        return DTensor.from_local(out, mesh, [self.output]).redistribute(mesh, [self.activation])
+
+
+class ReplicateParameters(ParallelStyle):
+    """Replicated DTensor parameters for modules that run on DTensor activations (norms, AttnRes
+    mixes): their ops work elementwise or along the hidden dimension, so a sequence-sharded
+    input stays sharded."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute_parameters(module, device_mesh, {})
+        return module
+
+
+def kda_shards() -> dict[str, Placement]:
+    heads = {f"{p}.weight": Shard(0) for p in ("q_proj", "k_proj", "v_proj", "gate_proj",
+                                               "beta_proj", "decay_up", "q_conv", "k_conv",
+                                               "v_conv")}
+    return {**heads, "decay_bias": Shard(0), "a_log": Shard(0), "o_proj.weight": Shard(1)}
+
+
+def mla_shards() -> dict[str, Placement]:
+    return {"q_b.weight": Shard(0), "kv_b.weight": Shard(0), "gate_proj.weight": Shard(0),
+            "o_proj.weight": Shard(1)}
+
+
+def mlp_shards() -> dict[str, Placement]:
+    # gate_up = [gate; up] stacked on rows: _StridedShard(0, 2) hands rank r the r-th slice of
+    # the gate rows and of the up rows, so the local output still splits into (gate, up).
+    return {"gate_up.weight": _StridedShard(0, split_factor=2), "down.weight": Shard(1)}
+
+
+def _refuse_vision(module, args):
+    raise NotImplementedError("image inputs under parallel.tensor > 1 are not supported yet: "
+                              "train vision batches with parallel.tensor=1")
+
+
+def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shards `model` in place over the 1-D tensor-parallel `mesh`."""
+    act = Shard(1) if sequence_parallel else Replicate()
+    head_parallel = dict(param_grad=Partial(), input_grad=Partial(), output=Partial(),
+                         activation=act)
+    plan: dict[str, ParallelStyle] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
+                                 use_local_output=False),
+        "head.output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
+                                       use_local_output=False),
+        "head.norm": ReplicateParameters(),
+        "head.out_mix": ReplicateParameters(),
+    }
+    for index, layer in model.layers.items():
+        prefix = f"layers.{index}"
+        if isinstance(layer.attn, KimiDeltaAttention):
+            plan[f"{prefix}.attn"] = LocalCompute(kda_shards(), **head_parallel)
+        elif isinstance(layer.attn, GatedMLA):
+            plan[f"{prefix}.attn"] = LocalCompute(mla_shards(), **head_parallel)
+        if isinstance(layer.mlp, SiTUGLUMLP):
+            plan[f"{prefix}.mlp"] = LocalCompute(mlp_shards(), **head_parallel)
+        elif isinstance(layer.mlp, LatentMoE):
+            plan[f"{prefix}.mlp"] = LocalCompute({}, param_grad=Replicate(),
+                                                 input_grad=Replicate(), output=Replicate(),
+                                                 activation=act)
+        for name in ("attn_norm", "mlp_norm", "attn_mix", "mlp_mix"):
+            if getattr(layer, name) is not None:
+                plan[f"{prefix}.{name}"] = ReplicateParameters()
+    parallelize_module(model, mesh, plan)
+    model.head.chunk_tokens = 0  # full (vocab-sharded) logits under loss_parallel
+    if not sequence_parallel:
+        model.embed.register_forward_hook(lambda module, args, out: _AllReduceGrad.apply(out))
+    if model.vision is not None:
+        model.vision.register_forward_pre_hook(_refuse_vision)
+    model.register_forward_hook(_local_loss)
+
+
+def _local_loss(module, args, output):
+    """The vocab-parallel loss is a replicated DTensor: the loop gets a plain tensor."""
+    if isinstance(output.loss_sum, DTensor):
+        output.loss_sum = output.loss_sum.to_local()
+    return output
+
+
+def loss_context(tp: int):
+    """Forward and backward of the vocab-parallel cross entropy run inside this."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def reduce_partial_gradients(model: nn.Module) -> None:
+    """Completes gradients left as partial sums over the tensor-parallel ranks (replicated
+    parameters used on local heads or local tokens). Data parallelism (replicate/FSDP2) does
+    this inside its own reduction; this is for layouts without it."""
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(placements=p.placements)

@@ -1,0 +1,365 @@
+"""Context parallelism (parallel/context_parallel.py): the batch sharder, the KCP state math in one
+process (fragments composed by the scan against kda_recurrent over whole rows), and one spawned
+gloo world of 4 ranks running CP2 (two groups: dp2 x cp2) and CP4 for the KDA layer, the MLA
+layer and the whole k3_tiny (3 AdamW steps) against one process on the same data."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model.batch import K3Batch, VisionInput, cu_seqlens_from_lengths, segment_ids
+from model.config import k3_tiny
+from model.head import IGNORE_INDEX
+from model.k3 import K3Model
+from model.kda import KimiDeltaAttention, kda_gate
+from model.mla import GatedMLA
+from model.ops.kda import kda_chunk, kda_recurrent
+from parallel.context_parallel import (
+    ContextParallel,
+    add_incoming_state,
+    apply_context_parallel,
+    fragment_continues,
+    fragment_summary,
+    incoming_states,
+    shard_batch,
+)
+from parallel.data_parallel import fill_missing_gradients
+from tests.static_shapes import assert_static, record
+from tests.tolerances import assert_close_rms, rel_rms
+from tests.train_helpers import FAST, REPO, free_port, losses, run_train, train_cmd, train_env
+
+T = 128
+# Documents that start exactly on a fragment edge (64, 96), end just after one (67) or just
+# before one (31: the conv halo crosses a boundary), and one that spans whole fragments
+# (31..97 covers fragments 1 and 2 of CP4).
+ROWS = [[64, 3, 29, 32], [31, 66, 31]]
+STATE_TOL = 5e-3  # KDA states and outputs against the recurrence (fla's convention)
+EXACT_TOL = 1e-5  # a parallel layout against one process on the same chunk form
+
+
+def make_batch(rows=ROWS, seq_len=T, seed=0, vocab=2048) -> K3Batch:
+    """Random tokens; labels are the next token of the same document (-100 at each end)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, vocab, (len(rows), seq_len), generator=gen)
+    cu = cu_seqlens_from_lengths(rows, seq_len)
+    seg = segment_ids(cu, tokens.numel()).view_as(tokens)
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    same = seg[:, 1:] == seg[:, :-1]
+    labels[:, :-1] = torch.where(same, tokens[:, 1:], IGNORE_INDEX)
+    return K3Batch(tokens, labels, cu)
+
+
+# ---- the sharder ----
+
+def test_shard_batch_cuts_every_row_and_rebases_the_documents():
+    batch = make_batch()
+    shards = [shard_batch(batch, f, 4) for f in range(4)]
+    assert torch.equal(torch.cat([s.tokens for s in shards], 1), batch.tokens)
+    assert torch.equal(torch.cat([s.labels for s in shards], 1), batch.labels)
+    # Each fragment's documents are the whole rows' documents cut at the fragment's edges.
+    global_seg = segment_ids(batch.cu_seqlens, 2 * T).view(2, T)
+    for s in shards:
+        local = segment_ids(s.cu_seqlens, 2 * 32).view(2, 32)
+        cut = global_seg[:, s.start:s.start + 32]
+        assert torch.equal(local[:, 1:] != local[:, :-1], cut[:, 1:] != cut[:, :-1])
+        assert s.cu_seqlens.shape == batch.cu_seqlens.shape  # static: N + 1 boundaries
+        assert torch.equal(s.row_segments, global_seg)
+    continues = fragment_continues(global_seg, 4)
+    # row 0 starts documents at 64 and 96; row 1's document 31..97 continues into 32 and 64.
+    assert continues.tolist() == [[False, False], [True, True], [False, True], [False, True]]
+
+
+def test_shard_batch_keeps_the_vision_tokens_of_its_fragment():
+    batch = make_batch()
+    positions = torch.tensor([5, 30, 31, 32, 33, 130, 200, 255])  # flattened over 2 x 128
+    batch.vision = VisionInput(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), positions)
+    seen = []
+    for f in range(4):
+        s = shard_batch(batch, f, 4)
+        local = s.vision.token_positions
+        back = (local // 32) * T + local % 32 + s.start  # local flattened -> global flattened
+        assert torch.equal(back, positions[s.vision.output_rows])
+        seen += s.vision.output_rows.tolist()
+    assert sorted(seen) == list(range(len(positions)))
+
+
+def test_shard_batch_rejects_what_it_cannot_split():
+    with pytest.raises(ValueError, match="parallel.context=3"):
+        shard_batch(make_batch(), 0, 3)
+
+
+def test_k3_train_validates_the_context_size():
+    from model.config import ConfigError
+    from train.config import ParallelConfig, TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=ParallelConfig(context=2))
+    assert validate_train_config(cfg, 2) is cfg
+    cfg.stage.seq_len = 127
+    with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
+        validate_train_config(cfg, 2)
+
+
+# ---- KCP state math in one process ----
+
+def kda_inputs(B=2, H=2, K=16, V=24, gate="lower_bound", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    # The gate near its slow end: states carry across fragments with a visible size.
+    g = kda_gate(torch.randn(B, T, H, K, generator=gen) - 4, torch.zeros(H), gate, -5.0)
+    beta = torch.rand(B, T, H, generator=gen)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def recurrent_states_entering(inputs, cu, F):
+    """[F, B, H, K, V]: the recurrence's state of each row's document at each fragment start."""
+    B = inputs[0].shape[0]
+    L = T // F
+    seg = segment_ids(cu, B * T).view(B, T)
+    states = []
+    for f in range(F):
+        per_row = []
+        for b in range(B):
+            begin = int((seg[b] == seg[b, f * L]).nonzero()[0]) if f else f * L
+            pieces = [x.detach()[b:b + 1, begin:f * L] for x in inputs]
+            if f == 0 or pieces[0].shape[1] == 0:
+                per_row.append(torch.zeros(inputs[0].shape[2], inputs[0].shape[3],
+                                           inputs[2].shape[3]))
+            else:
+                per_row.append(kda_recurrent(*pieces, output_final_state=True)[1][0])
+        states.append(torch.stack(per_row))
+    return torch.stack(states)
+
+
+@pytest.mark.parametrize("gate, bound", [("lower_bound", -5.0), ("kimi_linear", None)])
+@pytest.mark.parametrize("F", [2, 4])
+def test_fragments_composed_by_the_scan_equal_the_recurrence(gate, bound, F):
+    inputs = kda_inputs(gate=gate)
+    batch = make_batch()
+    flat = [x.reshape(1, 2 * T, *x.shape[2:]) for x in inputs]
+    o_ref, _ = kda_recurrent(*flat, cu_seqlens=batch.cu_seqlens)
+    do = torch.randn_like(o_ref)
+    ref_grads = torch.autograd.grad((o_ref * do).sum(), inputs)
+
+    kda = functools.partial(kda_chunk, chunk_size=16, backend="torch", lower_bound=bound)
+    L = T // F
+    shards = [shard_batch(batch, f, F) for f in range(F)]
+    parts = []
+    for s in shards:
+        local = [x[:, s.start:s.start + L].reshape(1, 2 * L, *x.shape[2:]) for x in inputs]
+        parts.append(fragment_summary(kda, *local, s.cu_seqlens, rows=2))
+    incoming = incoming_states(torch.stack([p[2] for p in parts]),
+                               fragment_continues(shards[0].row_segments, F))
+    assert_close_rms(recurrent_states_entering(inputs, batch.cu_seqlens, F)[1:], incoming[1:],
+                     STATE_TOL, "incoming states")
+    assert incoming[0].abs().max() == 0
+    o = torch.cat([add_incoming_state(o0, p, s_in).view(2, L, *o0.shape[2:])
+                   for (o0, p, _), s_in in zip(parts, incoming)], dim=1)
+    o = o.reshape(o_ref.shape)
+    assert_close_rms(o_ref, o, STATE_TOL, "o")
+    grads = torch.autograd.grad((o * do).sum(), inputs)
+    for name, ref, got in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_grads, grads):
+        assert_close_rms(ref, got, 0.008 if name in "dq dk dv" else 0.02, name)
+
+
+# ---- one spawned world of 4 ranks ----
+
+def _layer_case(layer_cls, cfg, fragment, F, seed, rank_group):
+    """One layer on this rank's fragment against the same layer on the whole rows."""
+    torch.manual_seed(0)
+    reference = layer_cls(cfg)
+    with torch.no_grad():  # non-trivial values for every parameter (A_h, biases, norms)
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    layer = layer_cls(cfg)
+    layer.load_state_dict(reference.state_dict())
+    context = apply_context_parallel(layer, rank_group)
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch(seed=seed)
+    x = torch.randn(2, T, cfg.hidden_size, generator=gen, requires_grad=True)
+    dy = torch.randn(2, T, cfg.hidden_size, generator=gen)
+    seg = segment_ids(batch.cu_seqlens, 2 * T).view(2, T)
+    y_ref = reference(x, batch.cu_seqlens, seg)
+    (y_ref * dy).sum().backward()
+
+    shard = shard_batch(batch, fragment, F)
+    context.bind(shard)
+    L = T // F
+    rows = slice(shard.start, shard.start + L)
+    x_local = x.detach()[:, rows].clone().requires_grad_()
+    local_seg = segment_ids(shard.cu_seqlens, 2 * L).view(2, L)
+    y = layer(x_local, shard.cu_seqlens, local_seg)
+    (y * dy[:, rows]).sum().backward()
+    what = f"{layer_cls.__name__} CP{F}"
+    assert_close_rms(y_ref[:, rows], y, EXACT_TOL, f"{what} output")
+    assert_close_rms(x.grad[:, rows], x_local.grad, EXACT_TOL, f"{what} input grad")
+    _sum_gradients(layer, rank_group)
+    for (name, p_ref), p in zip(reference.named_parameters(), layer.parameters()):
+        assert_close_rms(p_ref.grad, p.grad, EXACT_TOL, f"{what} {name}")
+
+
+def _static_case(cfg, cp_group, fragment, F):
+    """The exchanges' forward and backward (KDA, MLA) sync nothing with the host and run the
+    same ops on the same shapes for two document layouts with as many documents."""
+    torch.manual_seed(0)
+    layers = [KimiDeltaAttention(cfg), GatedMLA(cfg)]
+    contexts = [apply_context_parallel(layer, cp_group) for layer in layers]
+    L = T // F
+
+    def step(shard, x, segments):
+        for layer, context in zip(layers, contexts):
+            layer.zero_grad(set_to_none=True)  # both runs create the gradients
+            context.bind(shard)
+            layer(x, shard.cu_seqlens, segments).sum().backward()
+
+    recs = []
+    for rows in (ROWS, [[5, 100, 1, 22], [90, 30, 8]]):
+        shard = shard_batch(make_batch(rows), fragment, F)
+        x = torch.randn(2, L, cfg.hidden_size, requires_grad=True)
+        recs.append(record(step, shard, x, segment_ids(shard.cu_seqlens, 2 * L).view(2, L)))
+    assert_static(*recs)
+
+
+def _kda_states_case(context, fragment, F):
+    """kda_with_states across real collectives: the states entering each fragment."""
+    inputs = kda_inputs(seed=1)
+    batch = make_batch()
+    shard = shard_batch(batch, fragment, F)
+    context.bind(shard)
+    L = T // F
+    local = [x.detach()[:, shard.start:shard.start + L].reshape(1, 2 * L, *x.shape[2:])
+             for x in inputs]
+    kda = functools.partial(kda_chunk, chunk_size=16, lower_bound=-5.0)
+    o, incoming = context.kda_with_states(kda, *local, shard.cu_seqlens)
+    expected = recurrent_states_entering(inputs, batch.cu_seqlens, F)[fragment]
+    flat = [x.detach().reshape(1, 2 * T, *x.shape[2:]) for x in inputs]
+    o_ref = kda_recurrent(*flat, cu_seqlens=batch.cu_seqlens)[0].view(2, T, 2, -1)
+    assert_close_rms(o_ref[:, shard.start:shard.start + L].reshape(o.shape), o, STATE_TOL,
+                     f"KCP output CP{F}")
+    if fragment > 0:
+        assert_close_rms(expected, incoming, STATE_TOL, f"KCP incoming state CP{F}")
+
+
+def _model_case(cfg, cp_group, dp_cp_group, fragment, F, dp_rank, dp):
+    """k3_tiny, 3 AdamW steps of one process on the global batch of every step (the dp
+    replicas' rows together); before each step the CP (x DP) model takes the one-process
+    parameters and balancer state and runs the replicas' fragments: its loss equals the one
+    process's to 1e-5 and its gradients to 1e-5 or, where fp32 itself is less certain, to twice
+    the distance between two exact one-process gradients (`twin`: KDA chunks of 16 instead of
+    32). That floor matters for A_h only: its gradient sums every token and channel of a head
+    with heavy cancellation (the two one-process runs are 2.5e-5 apart at the second step).
+
+    The CP model does not follow its own AdamW trajectory here: two exact one-process runs that
+    differ only in the chunk size part by a 7% expert gradient after one step (rounding moves a
+    token's top-k choice or its Quantile Balancing bin), so no layout could match a free run."""
+    torch.manual_seed(0)
+    reference = K3Model(cfg)
+    twin = K3Model(dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, chunk_size=16)))
+    model = K3Model(cfg)
+    apply_context_parallel(model, cp_group)
+    opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    for step in range(3):
+        for m in (twin, model):
+            m.load_state_dict(reference.state_dict())
+        replicas = [make_batch(seed=100 * step + r) for r in range(dp)]
+        whole = K3Batch(torch.cat([b.tokens for b in replicas]),
+                        torch.cat([b.labels for b in replicas]),
+                        cu_seqlens_from_lengths(ROWS * dp, T))
+        ref_loss, _ = (_loss_and_grads(m, whole) for m in (reference, twin))
+        shard = shard_batch(replicas[dp_rank], fragment, F)
+        tokens = _all_reduce(torch.tensor(float(shard.num_loss_tokens)), dp_cp_group)
+        loss = model(shard).loss_sum / tokens
+        loss.backward()
+        fill_missing_gradients(model)
+        _sum_gradients(model, dp_cp_group)
+        total = _all_reduce(loss.detach(), dp_cp_group)
+        what = f"k3_tiny CP{F} x DP{dp} step {step}"
+        assert rel_rms(ref_loss, total) <= EXACT_TOL, (what, float(ref_loss), float(total))
+        for (name, p_ref), p_twin, p in zip(reference.named_parameters(), twin.parameters(),
+                                            model.parameters()):
+            floor = rel_rms(p_ref.grad, p_twin.grad)
+            assert_close_rms(p_ref.grad, p.grad, max(EXACT_TOL, 2 * floor), f"{what} {name}")
+        opt.step()
+        for m in (reference, twin, model):
+            m.zero_grad(set_to_none=True)
+        for moe in reference.moe_layers():
+            moe.balancer.update()
+
+
+def _loss_and_grads(model, batch):
+    out = model(batch)
+    loss = out.loss_sum / out.num_tokens
+    loss.backward()
+    fill_missing_gradients(model)
+    return loss.detach()
+
+
+def _sum_gradients(model, group):
+    """Parameters are replicated over the CP ranks: each holds part of every gradient."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+def _all_reduce(t, group):
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _world_of_4(rank: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    try:
+        cfg = k3_tiny()
+        world = dist.group.WORLD
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        # CP2 in two groups (dp2 x cp2: each group its own data), then CP4 over all ranks.
+        layouts = [(pairs[rank // 2], rank % 2, 2, rank // 2, 2), (world, rank, 4, 0, 1)]
+        for cp_group, fragment, F, dp_rank, dp in layouts:
+            seed = 7 + dp_rank
+            _layer_case(KimiDeltaAttention, cfg, fragment, F, seed, cp_group)
+            _layer_case(GatedMLA, cfg, fragment, F, seed, cp_group)
+            _kda_states_case(ContextParallel(cp_group), fragment, F)
+            _static_case(cfg, cp_group, fragment, F)
+            _model_case(cfg, cp_group, world, fragment, F, dp_rank, dp)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+def test_cp2_and_cp4_equal_one_process(tmp_path):
+    mp.spawn(_world_of_4, args=(str(tmp_path / "init"),), nprocs=4, join=True)
+
+
+# ---- k3-train end to end ----
+
+@pytest.mark.timeout(600)
+def test_k3_train_with_context_2_matches_one_rank(tmp_path, sample_data_dir):
+    """torchrun, 2 ranks, parallel.context=2 (the bundled sample: packed documents and images)
+    against one process: the loss of every step within 1e-5."""
+    one = tmp_path / "one"
+    run_train(one, sample_data_dir, *FAST, "steps=3", "checkpoint.every=0",
+              "checkpoint.save_at_end=false")
+    two = tmp_path / "two"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                f"--master-port={free_port()}"]
+    cmd = launcher + train_cmd(two, sample_data_dir)[1:] + [
+        *FAST, "steps=3", "checkpoint.every=0", "checkpoint.save_at_end=false",
+        "parallel.context=2"]
+    out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True,
+                         timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert abs(a[step] - b[step]) <= EXACT_TOL * abs(a[step]), (step, a[step], b[step])
