@@ -47,7 +47,9 @@ def test_kill_then_damaged_checkpoint_resumes_from_the_last_good_one_recording_e
     assert (ckpts / "latest").read_text() == "step_00000004"
     shard = ckpts / "step_00000004" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2:len(data) // 2 + 16] = bytes(16)  # same size, damaged inside
+    middle = slice(len(data) // 2, len(data) // 2 + 16)
+    # Same size, damaged inside: inverted bytes (zeros could match a zero-filled state tensor).
+    data[middle] = bytes(b ^ 0xFF for b in data[middle])
     shard.write_bytes(bytes(data))
 
     out = run_train(run, sample_data_dir, *args, env_extra={"WANDB_API_KEY": SECRET})
