@@ -184,7 +184,7 @@ def train(cfg: TrainConfig) -> int:
             step += 1
             elapsed = time.perf_counter() - t0
             evaluated = validator is not None and Validator.due(cfg, step)
-            val = ({"val_loss": validator.loss(model, env, precision, parallel.local_batch)}
+            val = ({"val_loss": validator.loss(model, env, precision, parallel)}
                    if evaluated else {})
             eta_s = eta.update(step, time.perf_counter() - t0)
             if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite or evaluated:

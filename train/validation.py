@@ -11,7 +11,7 @@ import torch
 from data_pipeline.loader import K3DataLoader
 from model.config import ConfigError
 
-from .distributed import DistEnv, all_reduce_sum
+from .distributed import DistEnv
 
 
 class Validator:
@@ -33,19 +33,20 @@ class Validator:
         return every > 0 and (step % every == 0 or step == cfg.steps)
 
     @torch.no_grad()
-    def loss(self, model: torch.nn.Module, env: DistEnv, precision,
-             local_batch=lambda batch: batch) -> float:
-        """Mean loss over the held-out batches; `local_batch` takes this rank's part of each
-        (its context-parallel fragment)."""
+    def loss(self, model: torch.nn.Module, env: DistEnv, precision, parallel) -> float:
+        """Mean loss over the held-out batches. `parallel` (the layout's ParallelPlan) gives
+        this rank's part of each (its context-parallel fragment), the loss context
+        (vocabulary-parallel cross entropy) and the sums over the ranks that hold different
+        tokens (dp x cp: tensor-parallel ranks see the same ones)."""
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, tokens
         try:
             for mb in (self.source[s] for s in range(self.micro_batches)):
-                with precision.autocast():
-                    out = model(local_batch(mb).to(env.device))
-                total += torch.stack([out.loss_sum.double(), out.num_tokens.double()])
+                with parallel.loss_context(), precision.autocast():
+                    out = model(parallel.local_batch(mb).to(env.device))
+                    total += torch.stack([out.loss_sum.double(), out.num_tokens.double()])
         finally:
             model.train(was_training)
-        loss_sum, tokens = all_reduce_sum(total).tolist()
+        loss_sum, tokens = parallel.sum_loss_tokens(total).tolist()
         return loss_sum / max(tokens, 1.0)
