@@ -10,7 +10,7 @@ import pytest
 
 from tests.train_helpers import read_metrics, train_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 def test_readme_demo_learns(tmp_path):
