@@ -2,12 +2,13 @@
 matmul probe and peak RSS of the whole process, for this checkout and, side by side in the same
 run, for a baseline commit (checked out into a temporary git worktree).
 
-    python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--profile]
+    python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
+        [--profile]
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
-warm-up and not counted. `--profile` also prints the torch profiler's top operators for one
-step of this checkout.
+warm-up and not counted. `--compile` adds a row for this checkout with `compile=true`;
+`--profile` prints the torch profiler's top operators for one step of this checkout.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _run(cmd: list[str], checkout: Path, env: dict, log: Path) -> int:
     return usage.ru_maxrss
 
 
-def run_demo(checkout: Path, work: Path, steps: int, threads: int) -> dict:
+def run_demo(checkout: Path, work: Path, steps: int, threads: int,
+             extra: tuple[str, ...] = ()) -> dict:
     """The demo's first run (curation + 1 step) and then a run of `steps` on the prepared data:
     median step time and MFU of the second, peak RSS of both."""
     work.mkdir(parents=True)
@@ -48,7 +50,7 @@ def run_demo(checkout: Path, work: Path, steps: int, threads: int) -> dict:
     first_rss = _run(train + [f"run_dir={work / 'first'}", "steps=1"], checkout, env,
                      work / "first.log")
     run_dir = work / "run"
-    rss = _run(train + [f"run_dir={run_dir}", f"steps={steps}"], checkout, env,
+    rss = _run(train + [f"run_dir={run_dir}", f"steps={steps}", *extra], checkout, env,
                work / "run.log")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = rows[WARMUP_STEPS:]
@@ -95,6 +97,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline", help="git commit to measure side by side")
+    parser.add_argument("--compile", action="store_true",
+                        help="also measure this checkout with compile=true")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     results = {}
@@ -111,6 +115,9 @@ def main() -> None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO,
                                check=True, capture_output=True)
         results["this checkout"] = run_demo(REPO, tmp / "c", args.steps, args.threads)
+        if args.compile:
+            results["compile=true"] = run_demo(REPO, tmp / "compiled", args.steps, args.threads,
+                                               ("compile=true",))
     print(f"k3-train demo, {args.steps} steps ({WARMUP_STEPS} warm-up), {args.threads} threads")
     print("peak RSS [GiB]: 'first' = the first run (curation + 1 step), 'train' = training on "
           "the prepared data")
