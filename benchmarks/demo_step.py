@@ -1,0 +1,138 @@
+"""The README's demo (`k3-train`, k3_tiny on the bundled sample, CPU): step time, MFU against the
+matmul probe and peak RSS of the whole process, for this checkout and, side by side in the same
+run, for a baseline commit (checked out into a temporary git worktree).
+
+    python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
+        [--profile]
+
+Each checkout prepares its own copy of the sample in a first run (its data format may differ),
+then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
+warm-up and not counted. `--compile` adds a row for this checkout with `compile=true`;
+`--profile` prints the torch profiler's top operators for one step of this checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WARMUP_STEPS = 2
+
+
+def _run(cmd: list[str], checkout: Path, env: dict, log: Path) -> int:
+    """Runs one k3-train process; returns its own peak RSS in KiB (wait4, not the children's
+    running maximum)."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed in {checkout}:\n{log.read_text()[-2000:]}")
+    return usage.ru_maxrss
+
+
+def run_demo(checkout: Path, work: Path, steps: int, threads: int,
+             extra: tuple[str, ...] = ()) -> dict:
+    """The demo's first run (curation + 1 step) and then a run of `steps` on the prepared data:
+    median step time and MFU of the second, peak RSS of both."""
+    work.mkdir(parents=True)
+    train = [sys.executable, "-m", "train.cli", f"data.output_dir={work / 'data'}",
+             "checkpoint.every=0", "checkpoint.save_at_end=false", "logging.wandb=false",
+             "logging.plot=false"]
+    env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS=str(threads),
+               WANDB_MODE="disabled")
+    first_rss = _run(train + [f"run_dir={work / 'first'}", "steps=1"], checkout, env,
+                     work / "first.log")
+    run_dir = work / "run"
+    rss = _run(train + [f"run_dir={run_dir}", f"steps={steps}", *extra], checkout, env,
+               work / "run.log")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[WARMUP_STEPS:]
+    return {"step_time_s": statistics.median(r["step_time_s"] for r in timed),
+            "mfu": statistics.median(r["mfu"] for r in timed),
+            "rss_first_gib": first_rss / 2**20, "rss_gib": rss / 2**20,
+            "loss_last": rows[-1]["loss"]}
+
+
+def profile_one_step(threads: int) -> None:
+    """Top operators (self CPU time) of one training step of this checkout's demo config."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from torch.profiler import ProfilerActivity, profile
+
+    from model.k3 import K3Model
+    from train.cli import CONFIG_DIR, register_configs, to_train_config
+    from train.data import build_loader
+
+    torch.set_num_threads(threads)
+    register_configs()
+    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(CONFIG_DIR,
+                                                                      version_base=None):
+        cfg = to_train_config(compose("train", overrides=[f"data.output_dir={tmp}/data"]))
+        model = K3Model(cfg.model)
+        batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
+        accum = cfg.stage.global_batch_size // cfg.stage.micro_batch_size
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            for _ in range(accum):
+                model(next(batches)).loss_sum.backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", help="git commit to measure side by side")
+    parser.add_argument("--compile", action="store_true",
+                        help="also measure this checkout with compile=true")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if args.baseline:
+            base = tmp / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline],
+                           cwd=REPO, check=True, capture_output=True)
+            try:
+                results[f"baseline {args.baseline}"] = run_demo(base, tmp / "b", args.steps,
+                                                                args.threads)
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO,
+                               check=True, capture_output=True)
+        results["this checkout"] = run_demo(REPO, tmp / "c", args.steps, args.threads)
+        if args.compile:
+            results["compile=true"] = run_demo(REPO, tmp / "compiled", args.steps, args.threads,
+                                               ("compile=true",))
+    print(f"k3-train demo, {args.steps} steps ({WARMUP_STEPS} warm-up), {args.threads} threads")
+    print("peak RSS [GiB]: 'first' = the first run (curation + 1 step), 'train' = training on "
+          "the prepared data")
+    print(f"{'checkout':<22} {'step [s]':>9} {'MFU':>7} {'RSS first':>10} {'RSS train':>10} "
+          f"{'last loss':>10}")
+    for name, r in results.items():
+        print(f"{name:<22} {r['step_time_s']:>9.3f} {r['mfu']:>7.1%} {r['rss_first_gib']:>10.2f} "
+              f"{r['rss_gib']:>10.2f} {r['loss_last']:>10.4f}")
+    if args.baseline:
+        base, cur = results[f"baseline {args.baseline}"], results["this checkout"]
+        print(f"speed-up {base['step_time_s'] / cur['step_time_s']:.2f}x, "
+              f"training RSS {cur['rss_gib'] / base['rss_gib']:.2f}x of the baseline")
+    if args.profile:
+        profile_one_step(args.threads)
+
+
+if __name__ == "__main__":
+    main()
