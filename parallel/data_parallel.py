@@ -21,11 +21,14 @@ def fill_missing_gradients(model: nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def allreduce_gradients(model: nn.Module, group=None, bucket_bytes: int = 64 << 20) -> None:
-    """Sums gradients over the group; call fill_missing_gradients first."""
+def allreduce_gradients(model: nn.Module, group=None, bucket_bytes: int = 64 << 20,
+                        params: list[torch.Tensor] | None = None) -> None:
+    """Sums gradients over the group (of `params`, default every trainable parameter of the
+    model); call fill_missing_gradients first."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    params = [p for p in model.parameters() if p.requires_grad]
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     bucket: list[torch.Tensor] = []
     size = 0
     for p in params:

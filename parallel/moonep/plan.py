@@ -70,10 +70,12 @@ def plan_moonep(tokens_per_expert: torch.Tensor, top_k: int, alignment: int = 1)
     level = per_expert.view(num_ranks, per_rank).sum(1)
     quota = torch.zeros(num_ranks, num_ranks, dtype=torch.long, device=device)
     for _ in range(num_ranks - 1):
-        giver, taker = level.argmax(), level.argmin()
-        amount = capacity - level[taker]
-        level = level - amount * (rank_ids == giver) + amount * (rank_ids == taker)
-        quota[giver, taker] += amount
+        # One-hot arithmetic, not tensor indexing: a 0-d index tensor is read on the host.
+        is_giver = rank_ids == level.argmax()
+        is_taker = rank_ids == level.argmin()
+        amount = capacity - (level * is_taker).sum()
+        level = level - amount * is_giver + amount * is_taker
+        quota += amount * (is_giver[:, None] & is_taker[None, :])
 
     # Phase 2: per home rank (all at once), largest quota from the fullest local expert.
     remaining = per_expert.view(num_ranks, per_rank).clone()

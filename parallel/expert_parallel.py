@@ -1,0 +1,67 @@
+"""Expert parallelism applied to a built K3Model from outside (DESIGN 2, SPEC 10).
+
+Each rank of the expert-parallel group keeps only its home experts' weights (experts
+e // (E / R) == its EP rank), so their optimizer state and updates stay home, and every MoE
+layer gets an expert-parallel dispatcher: MoonEP (static shapes, no host sync) or the dynamic
+all-to-all baseline. Gradients: dense parameters are summed over the data-parallel ranks (every
+rank when EP is carved out of DP, as in Megatron), expert weights over the expert-data-parallel
+ranks (the ranks holding the same experts), after backward has already returned the copies'
+gradients to their owners.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.k3 import K3Model
+from parallel.data_parallel import allreduce_gradients
+from parallel.moonep.dispatcher import MoonEPDispatcher
+from parallel.moonep.dynamic import DynamicDispatcher
+from parallel.moonep.transport import CollectiveTransport
+
+DISPATCHES = ("moonep", "dynamic")
+TRANSPORTS = ("collective",)
+
+
+def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch: str = "moonep",
+                          transport: str = "collective", alignment: int = 1) -> None:
+    """Shards every MoE layer's experts over `ep_group` and installs its dispatcher (in place;
+    call before building the optimizer)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"parallel.expert_dispatch={dispatch!r} is invalid: one of {DISPATCHES}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"parallel.moonep.transport={transport!r} is invalid: one of "
+                         f"{TRANSPORTS} (the CUDA symmetric-memory transport is not built yet)")
+    ranks, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for moe in model.moe_layers():
+        experts = moe.experts
+        num_experts = experts.w1.shape[0]
+        if num_experts % ranks:
+            raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by "
+                             f"parallel.expert={ranks}")
+        per_rank = num_experts // ranks
+        home = slice(rank * per_rank, (rank + 1) * per_rank)
+        experts.w1 = nn.Parameter(experts.w1.detach()[home].clone())
+        experts.w2 = nn.Parameter(experts.w2.detach()[home].clone())
+        experts.w1.expert_parallel = experts.w2.expert_parallel = True
+        if dispatch == "moonep":
+            dispatcher = MoonEPDispatcher(num_experts, CollectiveTransport(ep_group), alignment)
+            experts.group_weights = dispatcher.group_weights
+        else:
+            dispatcher = DynamicDispatcher(num_experts, ep_group)
+        moe.dispatcher = dispatcher
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_parallel", False)
+
+
+def allreduce_expert_parallel_gradients(model: nn.Module, dp_group: dist.ProcessGroup | None,
+                                        edp_group: dist.ProcessGroup | None) -> None:
+    """Sums dense gradients over `dp_group` and expert gradients over `edp_group` (None: the
+    default group); call fill_missing_gradients first."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    allreduce_gradients(model, dp_group, params=[p for p in params if not is_expert_parameter(p)])
+    allreduce_gradients(model, edp_group, params=[p for p in params if is_expert_parameter(p)])
