@@ -105,7 +105,8 @@ class K3Model(nn.Module):
 
     def forward(self, batch: K3Batch, return_logits: bool = False) -> K3Output:
         h = self.hidden_states(batch)
-        logits = self.lm_head(h).float()
+        logits = self.lm_head(h)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 or wider
         labels = batch.labels.reshape(-1)
         loss_sum = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels,
                                    ignore_index=IGNORE_INDEX, reduction="sum")

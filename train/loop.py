@@ -13,6 +13,7 @@ import torch
 
 from model.batch import K3Batch
 from model.k3 import K3Model
+from model.moe import update_balancers
 from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
 
 from .activation_checkpointing import apply_activation_checkpointing, compile_sublayers
@@ -91,8 +92,6 @@ def train(cfg: TrainConfig) -> int:
         log.info("optimizer groups:\n%s", describe_groups(model, optimizers))
     loader = build_loader(cfg, dp_rank=env.rank, dp_size=dp_size)
     balancers = [moe.balancer for moe in model.moe_layers() if moe.balancer is not None]
-    for balancer in balancers:
-        balancer.reduce_fn = all_reduce_sum
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
                         env.world_size)
     step = 0
@@ -133,10 +132,10 @@ def train(cfg: TrainConfig) -> int:
             else:
                 nonfinite_in_a_row += 1
             clip_row = precision.end_step(model, cfg.optim.qk_clip_tau, updated=finite)
-            for balancer in balancers:
-                if finite:
-                    balancer.update()
-                else:
+            if finite:  # every layer's histograms in one integer all-reduce (SPEC 5)
+                update_balancers(balancers, all_reduce_sum)
+            else:
+                for balancer in balancers:
                     balancer.clear()
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.moe.dispatch import Dispatched
+from model.moe.dispatch import Dispatched, combine_dtype
 from parallel.moonep.layout import entry_slots, num_slots, slot_layout
 from parallel.moonep.plan import MoonEPPlan, plan_moonep
 from parallel.moonep.transport import Transport
@@ -23,7 +23,7 @@ from parallel.moonep.transport import Transport
 @dataclass
 class MoonEPDispatched(Dispatched):
     token_of_slot: torch.Tensor  # [N] int64 global token r * S + i of each row (R * S: empty)
-    slot_weight: torch.Tensor  # [N] fp32 routing weight of each row's entry (0: empty)
+    slot_weight: torch.Tensor  # [N] routing weight (the router's dtype) of each row's entry (0: empty)
     plan: MoonEPPlan
 
 
@@ -66,8 +66,8 @@ class MoonEPDispatcher:
                                    dtype=torch.long, device=x.device)
         entry_of_slot = entry_of_slot.scatter(0, target, entry_ids)[:layout.num_slots]
         token_of_slot = entry_of_slot // top_k  # the empty marker maps to R * S as well
-        weights = torch.cat([self.transport.all_gather(topk_weight.float()).view(-1),
-                             topk_weight.new_zeros(1, dtype=torch.float32)])
+        weights = torch.cat([self.transport.all_gather(topk_weight).view(-1),
+                             topk_weight.new_zeros(1)])
         self._copied_experts = plan.copied_experts[rank]
         return MoonEPDispatched(
             buffer=self.transport.dispatch(x, token_of_slot),
@@ -76,7 +76,8 @@ class MoonEPDispatcher:
             slot_weight=weights.index_select(0, entry_of_slot), plan=plan)
 
     def combine(self, expert_out: torch.Tensor, dispatched: MoonEPDispatched) -> torch.Tensor:
-        rows = expert_out.float() * dispatched.slot_weight[:, None]
+        weight = dispatched.slot_weight
+        rows = expert_out.to(combine_dtype(expert_out.dtype, weight.dtype)) * weight[:, None]
         num_tokens = dispatched.topk_weight.shape[0]
         out = self.transport.combine(rows, dispatched.token_of_slot, num_tokens)
         return out.to(expert_out.dtype)

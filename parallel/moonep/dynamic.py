@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from model.moe.dispatch import Dispatched
+from model.moe.dispatch import Dispatched, combine_dtype
 
 
 @dataclass
@@ -66,4 +66,5 @@ class DynamicDispatcher:
         weight = dispatched.topk_weight
         num_tokens, k = weight.shape
         per_entry = returned.index_select(0, dispatched.slot_of_entry).view(num_tokens, k, -1)
-        return (per_entry.float() * weight.float()[..., None]).sum(1).to(expert_out.dtype)
+        per_entry = per_entry.to(combine_dtype(expert_out.dtype, weight.dtype))
+        return (per_entry * weight[..., None]).sum(1).to(expert_out.dtype)

@@ -40,7 +40,7 @@ class Transport(Protocol):
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
         """home [G, ...] this rank's experts' weights; copied_experts [G] global expert ids
-        (-1 unused) -> [G, ...] fp32 copies (zeros where unused). Backward returns each copy's
+        (-1 unused) -> [G, ...] copies in fp32 (or wider) (zeros where unused). Backward returns each copy's
         fp32 gradient to its owner, summed in a fixed order, added to the home gradient."""
 
 
@@ -67,6 +67,6 @@ class CollectiveTransport:
         return self.reduce_scatter(per_token[:num_global])
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
-        every_expert = self.all_gather(home.float())
+        every_expert = self.all_gather(home.to(torch.promote_types(home.dtype, torch.float32)))
         used = (copied_experts >= 0).view(-1, *([1] * (home.dim() - 1)))
         return every_expert.index_select(0, copied_experts.clamp(min=0)) * used
