@@ -14,7 +14,8 @@ class Routing:
     """The router's decision for S tokens over E experts, top-k."""
 
     topk_idx: torch.Tensor  # [S, k] int64, experts in order of decreasing biased score
-    topk_weight: torch.Tensor  # [S, k] fp32 (or wider), s_T / sum(s_T) * router_scale; carries the gradient
+    # [S, k] fp32 (or wider), s_T / sum(s_T) * router_scale; carries the gradient
+    topk_weight: torch.Tensor
     scores: torch.Tensor  # [S, E] fp32 (or wider) sigmoid scores, unbiased
     cutoff: torch.Tensor  # [S] fp32, the (k+1)-th largest biased score (Quantile Balancing)
 

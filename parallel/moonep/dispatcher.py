@@ -23,7 +23,7 @@ from parallel.moonep.transport import Transport
 @dataclass
 class MoonEPDispatched(Dispatched):
     token_of_slot: torch.Tensor  # [N] int64 global token r * S + i of each row (R * S: empty)
-    slot_weight: torch.Tensor  # [N] routing weight (the router's dtype) of each row's entry (0: empty)
+    slot_weight: torch.Tensor  # [N] routing weight of each row's entry (0: empty)
     plan: MoonEPPlan
 
 

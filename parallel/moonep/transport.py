@@ -40,8 +40,9 @@ class Transport(Protocol):
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
         """home [G, ...] this rank's experts' weights; copied_experts [G] global expert ids
-        (-1 unused) -> [G, ...] copies in fp32 (or wider) (zeros where unused). Backward returns each copy's
-        fp32 gradient to its owner, summed in a fixed order, added to the home gradient."""
+        (-1 unused) -> [G, ...] copies in fp32 or wider (zeros where unused). Backward returns
+        each copy's gradient, in that dtype, to its owner, summed in a fixed order, added to the
+        home gradient."""
 
 
 class CollectiveTransport:
