@@ -37,3 +37,26 @@ def test_plan_rejects_an_expert_layout_that_does_not_divide():
     out = subprocess.run([sys.executable, "-m", "train.plan", "parallel.expert=3"], cwd=REPO,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 2 and "parallel.expert=3" in out.stderr
+
+
+def test_plan_accepts_context_expert_and_pipeline_layouts_through_the_topology():
+    p = _plan("model=k3_full", "parallel.tensor=8", "parallel.context=2", "parallel.pipeline=8",
+              "parallel.expert=32", "parallel.expert_tensor=2", "parallel.data=8",
+              "parallel.data_replicate=2", "parallel.data_shard=full", "stage.seq_len=8192",
+              "stage.micro_batch_size=1", "activation_checkpointing=true")
+    lay = p["layout"]
+    assert lay["world_size"] == 1024
+    assert (lay["pipeline"], lay["data"], lay["data_replicate"], lay["context"], lay["tensor"],
+            lay["expert"], lay["expert_tensor"], lay["expert_data"]) == (8, 8, 2, 2, 8, 32, 2, 2)
+
+
+def test_plan_rejects_a_bad_layout_naming_the_field():
+    out = subprocess.run([sys.executable, "-m", "train.plan", "parallel.data=4",
+                          "parallel.data_replicate=3", "parallel.data_shard=full"], cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2 and "parallel.data_replicate=3" in out.stderr, out.stderr
+
+
+def test_plan_without_a_data_size_takes_the_fewest_ranks_that_hold_the_experts():
+    lay = _plan("parallel.tensor=2", "parallel.expert=8")["layout"]
+    assert (lay["world_size"], lay["data"], lay["expert_data"]) == (8, 4, 1)

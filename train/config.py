@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from data_pipeline.config import DataConfig, StageConfig
 from data_pipeline.pipeline import is_prepared
 from model.config import ConfigError, K3Config, k3_tiny
+from parallel.topology import Topology
 
 __all__ = ["ConfigError", "TrainConfig", "validate_train_config"]
 
@@ -47,7 +48,7 @@ class ParallelConfig:
     """Process layout, in Megatron's rank order tp-cp-ep-dp-pp (parallel/topology.py owns it).
 
     world = pipeline * data * context * tensor; experts re-split the same ranks of one pipeline
-    stage as expert_data * expert * expert_tensor."""
+    stage as expert_data * expert * expert_tensor. Validated by Topology.from_config."""
 
     data: int = -1  # data-parallel ranks (replicas x shards); -1: what the world size leaves
     data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard=full)
@@ -64,10 +65,6 @@ class ParallelConfig:
     virtual_stages: int = 1  # pipeline stages per rank (interleaved / V schedules)
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 600.0  # a collective that waits longer fails the job
-
-    def resolved_data(self, world_size: int) -> int:
-        other = self.tensor * self.context * self.pipeline
-        return world_size // other if self.data == -1 else self.data
 
 
 @dataclass
@@ -152,6 +149,12 @@ class TrainConfig:
     deterministic: bool = True
 
 
+# Layouts the Topology validates but the training loop cannot run yet; each entry goes when its
+# parallelism lands (tensor: the loop's collectives are still data-parallel only).
+_NOT_IMPLEMENTED_YET = {"tensor": "tensor parallelism", "context": "context parallelism",
+                        "expert": "expert parallelism", "pipeline": "pipeline parallelism"}
+
+
 def _fail(path: str, value, valid: str) -> None:
     raise ConfigError(f"{path}={value!r} is invalid: {valid}")
 
@@ -184,27 +187,17 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     if not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", o.betas, "each must be in [0, 1)")
-    p = cfg.parallel
-    heads = {"model.kda.num_heads": cfg.model.kda.num_heads,
-             "model.mla.num_heads": cfg.model.mla.num_heads}
-    for field_path, value in heads.items():
-        if p.tensor > 0 and value % p.tensor:
-            _fail(field_path, value, f"must be divisible by parallel.tensor={p.tensor} "
-                  "(tensor parallelism splits attention heads)")
-    if p.expert > 0 and cfg.model.moe.num_experts % p.expert:
-        _fail("model.moe.num_experts", cfg.model.moe.num_experts,
-              f"must be divisible by parallel.expert={p.expert}")
-    for name in ("tensor", "context", "expert", "pipeline"):
-        if getattr(p, name) != 1:
-            _fail(f"parallel.{name}", getattr(p, name),
-                  "must be 1: only data parallelism is implemented so far")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        _fail("parallel.backend", p.backend, "must be one of ['auto', 'gloo', 'nccl']")
-    dp = p.resolved_data(world_size)
-    if dp < 1 or dp * p.tensor * p.context * p.pipeline != world_size:
-        _fail("parallel.data", p.data,
-              f"data*tensor*context*pipeline must equal the world size {world_size} "
-              f"(tensor={p.tensor}, context={p.context}, pipeline={p.pipeline})")
+    topo = Topology.from_config(cfg.parallel, world_size, cfg.model)
+    shards = topo.cp * (topo.tp if topo.sequence_parallel else 1)
+    if cfg.stage.seq_len % shards:
+        _fail("stage.seq_len", cfg.stage.seq_len,
+              f"must be divisible by {shards}: context={topo.cp} x tensor={topo.tp} (sequence "
+              f"parallel) ranks each hold an equal part of the sequence")
+    for name, what in _NOT_IMPLEMENTED_YET.items():
+        if getattr(cfg.parallel, name) != 1:
+            _fail(f"parallel.{name}", getattr(cfg.parallel, name),
+                  f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
+    dp = topo.dp
     micro = cfg.stage.micro_batch_size * dp
     if cfg.stage.global_batch_size % micro:
         _fail("stage.global_batch_size", cfg.stage.global_batch_size,

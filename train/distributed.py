@@ -9,6 +9,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model.config import K3Config
+from parallel.topology import Topology
+
+from .config import ParallelConfig
+
 
 @dataclass
 class DistEnv:
@@ -47,6 +52,17 @@ def init_distributed(device_choice: str, backend: str = "auto",
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, world, local_rank, device)
+
+
+def init_topology(parallel: ParallelConfig, env: DistEnv,
+                  model: K3Config | None = None) -> Topology:
+    """The validated layout for this world; with more than one rank megatron-core creates its
+    process groups now (call after init_distributed). One process needs no groups, and skipping
+    them spares it megatron-core's import."""
+    topology = Topology.from_config(parallel, env.world_size, model)
+    if env.world_size > 1:
+        topology.initialize(env.device.type)
+    return topology
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

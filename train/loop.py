@@ -20,7 +20,7 @@ from .activation_checkpointing import apply_activation_checkpointing, compile_su
 from .checkpoint import Checkpointer
 from .config import TrainConfig, validate_train_config
 from .data import build_loader
-from .distributed import DistEnv, all_reduce_sum, init_distributed, shutdown
+from .distributed import DistEnv, all_reduce_sum, init_distributed, init_topology, shutdown
 from .flops import PeakFlops, training_flops_per_token
 from .metrics import MetricsLogger
 from .optim.factory import build_optimizer, describe_groups, set_lr
@@ -71,14 +71,15 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], env: DistEnv,
 
 def train(cfg: TrainConfig) -> int:
     """Runs (or resumes) the configured training; returns the process exit code."""
-    env = init_distributed(cfg.device, cfg.parallel.backend)
+    env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_train_config(cfg, env.world_size)
+    topology = init_topology(cfg.parallel, env, cfg.model)
     seed_everything(cfg.seed, cfg.deterministic)
     run_dir = Path(cfg.run_dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "DONE").unlink(missing_ok=True)
-    dp_size = cfg.parallel.resolved_data(env.world_size)
+    dp_size = topology.dp
     accum = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * dp_size)
 
     model = K3Model(cfg.model).to(env.device)
@@ -112,6 +113,7 @@ def train(cfg: TrainConfig) -> int:
         log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s",
                  cfg.model.name, cfg.steps, dp_size, accum, cfg.stage.micro_batch_size,
                  cfg.stage.seq_len, precision.describe())
+        log.info("layout: %s", topology.describe())
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
@@ -172,5 +174,6 @@ def train(cfg: TrainConfig) -> int:
             write_marker(run_dir / "DONE", step, env)
     finally:
         preempt.restore()
+        topology.destroy()
         shutdown()
     return exit_code

@@ -6,15 +6,16 @@ parallel layout, from the same configs as `k3-train`.
 
 The model is built on the meta device (no memory, no time), so the counts are the real module's.
 Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
-Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter,
-and activations from a per-token, per-layer count of saved tensors (see activation_bytes).
+Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter
+within one HSDP replica, and activations from a per-token, per-layer count of saved tensors (see
+activation_bytes).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
-from dataclasses import asdict, dataclass
 
 import hydra
 import torch
@@ -23,6 +24,7 @@ from omegaconf import DictConfig
 from model.config import ConfigError, K3Config
 from model.k3 import K3Model
 from model.params import count_parameters
+from parallel.topology import Topology
 
 from .cli import CONFIG_DIR, prepare_tool_argv, register_configs, to_train_config
 from .flops import forward_flops_per_token, training_flops_per_token
@@ -30,34 +32,28 @@ from .flops import forward_flops_per_token, training_flops_per_token
 GiB = 2**30
 
 
-@dataclass
-class Layout:
-    world_size: int
-    data: int
-    tensor: int
-    context: int
-    expert: int
-    pipeline: int
-
-    @property
-    def expert_data(self) -> int:
-        """Data-parallel replicas of an expert: the data x context x tensor ranks of one
-        pipeline stage, split into expert-parallel groups."""
-        return self.data * self.context * self.tensor // self.expert
+def plan_topology(cfg) -> Topology:
+    """The validated layout (parallel/topology.py) of the world these sizes make, data x tensor x
+    context x pipeline ranks. k3-plan has no world of its own: data=-1 takes the fewest data
+    ranks that hold whole expert groups (expert*expert_tensor dividing data*context*tensor)."""
+    p = cfg.parallel
+    data = p.data
+    if data == -1:
+        span = max(p.expert * p.expert_tensor, 1)
+        data = span // math.gcd(span, max(p.tensor * p.context, 1))
+    world = max(data, 1) * p.tensor * p.context * p.pipeline
+    return Topology.from_config(p, world, cfg.model)
 
 
-def resolve_layout(parallel) -> Layout:
-    data = parallel.data if parallel.data > 0 else 1
-    layout = Layout(data * parallel.tensor * parallel.context * parallel.pipeline, data,
-                    parallel.tensor, parallel.context, parallel.expert, parallel.pipeline)
-    span = layout.data * layout.context * layout.tensor
-    if span % layout.expert:
-        raise ConfigError(f"parallel.expert={layout.expert} is invalid: must divide "
-                          f"data*context*tensor = {span}")
-    return layout
+def layout_dict(t: Topology) -> dict:
+    return {"world_size": t.world_size, "pipeline": t.pp, "data": t.dp,
+            "data_replicate": t.dp_replicate, "data_shard": t.data_shard, "context": t.cp,
+            "tensor": t.tp, "sequence_parallel": t.sequence_parallel, "expert": t.ep,
+            "expert_tensor": t.etp, "expert_data": t.edp, "virtual_stages": t.virtual_stages,
+            "pipeline_schedule": t.pipeline_schedule}
 
 
-def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Layout,
+def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Topology,
                      checkpointing: bool) -> float:
     """Saved activations of one micro-batch on one GPU (bf16 tensors, fp32 where the model keeps
     fp32: AttnRes sources and attention outputs). Per token and layer: the inputs of every
@@ -66,38 +62,39 @@ def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Layo
     (blocks + 1) fp32 sources. With activation checkpointing only each layer's input is kept
     (plus one layer's worth during recomputation)."""
     d, m, e, k = cfg.hidden_size, cfg.mla, cfg.moe, cfg.kda
-    tokens = seq_len * micro_batch / layout.context
+    tokens = seq_len * micro_batch / layout.cp
     sources = cfg.num_attnres_blocks + 1
     attnres = 2 * sources * d * 4
-    kda = 2 * (6 * d + 6 * k.num_heads * k.head_dim) / layout.tensor
+    kda = 2 * (6 * d + 6 * k.num_heads * k.head_dim) / layout.tp
     mla = 2 * (4 * d + m.q_lora_rank + m.kv_lora_rank
-               + m.num_heads * (2 * m.qk_head_dim + 3 * m.v_head_dim)) / layout.tensor
+               + m.num_heads * (2 * m.qk_head_dim + 3 * m.v_head_dim)) / layout.tp
     moe = 2 * (2 * d + e.latent_dim * (2 + e.top_k)
                + e.top_k * 3 * e.expert_intermediate
-               + 3 * e.num_shared_experts * e.expert_intermediate / layout.tensor)
+               + 3 * e.num_shared_experts * e.expert_intermediate / layout.tp)
     kinds = cfg.layer_types()
     per_layer = [attnres + (kda if kind == "kda" else mla) + moe for kind in kinds]
-    layers_per_stage = -(-cfg.num_layers // layout.pipeline)
+    layers_per_stage = -(-cfg.num_layers // layout.pp)
     if checkpointing:
         per_token = layers_per_stage * d * 2 + max(per_layer)
     else:
         per_token = sum(sorted(per_layer)[-layers_per_stage:])
-    logits = 4 * cfg.vocab_size / layout.tensor  # fp32 logits on the last stage
+    logits = 4 * cfg.vocab_size / layout.tp  # fp32 logits on the last stage
     # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage.
-    return tokens * (per_token * layout.pipeline + logits)
+    return tokens * (per_token * layout.pp + logits)
 
 
-def memory_per_gpu(cfg: K3Config, counts, layout: Layout, optimizer: str, seq_len: int,
+def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_len: int,
                    micro_batch: int, checkpointing: bool) -> dict[str, float]:
     routed = counts.routed_experts
     dense = counts.total - routed
-    dense_local = dense / (layout.tensor * layout.pipeline)
-    expert_local = routed / (layout.expert * layout.pipeline)
+    dense_local = dense / (layout.tp * layout.pp)
+    expert_local = routed / (layout.ep * layout.etp * layout.pp)
     states = 2 if optimizer == "adamw" else 1  # Muon: one momentum buffer (AdamW on the rest)
     weights = 2 * (dense_local + expert_local)  # bf16 compute copies
     grads = 4 * (dense_local + expert_local)  # fp32 gradient accumulation
-    master_and_states = (4 + 4 * states) * (dense_local / layout.data
-                                            + expert_local / layout.expert_data)
+    # Sharded within a replica: HSDP's replicas each hold the whole state.
+    master_and_states = (4 + 4 * states) * (dense_local / layout.dp_shard + expert_local
+                                            / (layout.edp // layout.dp_replicate))
     acts = activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing)
     total = weights + grads + master_and_states + acts
     return {"weights_gib": weights / GiB, "grads_gib": grads / GiB,
@@ -109,7 +106,7 @@ def plan(cfg) -> dict:
     with torch.device("meta"):
         model = K3Model(cfg.model)
     counts = count_parameters(model)
-    layout = resolve_layout(cfg.parallel)
+    layout = plan_topology(cfg)
     seq = cfg.stage.seq_len
     return {
         "model": cfg.model.name,
@@ -117,7 +114,7 @@ def plan(cfg) -> dict:
         "flops_per_token": {"forward": forward_flops_per_token(cfg.model, seq),
                             "training": training_flops_per_token(cfg.model, seq),
                             "seq_len": seq},
-        "layout": asdict(layout),
+        "layout": layout_dict(layout),
         "memory_per_gpu": memory_per_gpu(cfg.model, counts, layout, cfg.optim.name, seq,
                                          cfg.stage.micro_batch_size,
                                          cfg.activation_checkpointing),

@@ -1,0 +1,296 @@
+"""Topology: validation names the fields; groups and meshes equal megatron-core's RankGenerator
+(1024 ranks on the fake process group) and carry collectives on a real 4-rank gloo world."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from megatron.core import parallel_state as ps
+from megatron.core.parallel_state import RankGenerator
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from model.config import ConfigError, k3_full, k3_tiny
+from parallel.topology import MEGATRON_ORDER, Topology
+from tests.tolerances import assert_close_rms
+from train.config import MoonEPConfig, ParallelConfig
+
+
+def _parallel(**kw) -> ParallelConfig:
+    moonep = {k.removeprefix("moonep_"): kw.pop(k) for k in list(kw) if k.startswith("moonep_")}
+    return ParallelConfig(moonep=MoonEPConfig(**moonep), **kw)
+
+
+# ---- validation, before any process group ----
+
+@pytest.mark.parametrize("kw, world, model, message", [
+    (dict(data=3), 4, None, "parallel.data=3 is invalid: data*tensor*context*pipeline must equal"),
+    (dict(tensor=2, context=2), 6, None, "parallel.tensor*context*pipeline=4 is invalid"),
+    (dict(tensor=0), 4, None, "parallel.tensor=0"),
+    (dict(tensor=3), 6, k3_tiny(), "model.kda.num_heads=2 is invalid: must be divisible by "
+                                   "parallel.tensor=3"),
+    (dict(tensor=2), 2, dataclasses.replace(k3_tiny(), vocab_size=2049),
+     "model.vocab_size=2049 is invalid: must be divisible by parallel.tensor=2"),
+    (dict(tensor=4), 4, dataclasses.replace(k3_tiny(), kda=dataclasses.replace(
+        k3_tiny().kda, num_heads=4), mla=dataclasses.replace(k3_tiny().mla, num_heads=4),
+        dense_intermediate=130), "model.dense_intermediate=130"),
+    (dict(expert=3), 3, k3_tiny(), "model.moe.num_experts=8 is invalid: must be divisible by "
+                                   "parallel.expert=3"),
+    (dict(expert_tensor=3), 3, k3_tiny(), "model.moe.expert_intermediate=64 is invalid: must be "
+                                          "divisible by parallel.expert_tensor=3"),
+    (dict(expert=8), 4, None, "parallel.expert*expert_tensor=8 is invalid: must divide the "
+                              "ranks of one pipeline stage"),
+    (dict(expert=2, expert_tensor=2, pipeline=2), 4, None, "parallel.expert*expert_tensor=4"),
+    (dict(data_replicate=3, data_shard="full"), 4, None, "parallel.data_replicate=3 is invalid: "
+                                                        "must divide parallel.data=4"),
+    (dict(data_replicate=2), 4, None, "parallel.data_replicate=2 is invalid: must be 1 with "
+                                      "parallel.data_shard=none"),
+    (dict(data_replicate=2, data_shard="full", expert=4), 4, None,
+     "parallel.data_replicate=2 is invalid: must divide expert_data"),
+    (dict(data_shard="zero3"), 4, None, "parallel.data_shard='zero3'"),
+    (dict(expert_dispatch="alltoall"), 4, None, "parallel.expert_dispatch='alltoall'"),
+    (dict(moonep_transport="nvshmem"), 4, None, "parallel.moonep.transport='nvshmem'"),
+    (dict(moonep_alignment=0), 4, None, "parallel.moonep.alignment=0"),
+    (dict(pipeline_schedule="GPipe"), 4, None, "parallel.pipeline_schedule='GPipe'"),
+    (dict(pipeline=2, virtual_stages=2), 4, None,
+     "parallel.virtual_stages=2 is invalid: must be == 1 with parallel.pipeline_schedule=1F1B"),
+    (dict(pipeline=2, pipeline_schedule="Interleaved1F1B"), 4, None,
+     "parallel.virtual_stages=1 is invalid: must be >= 2"),
+    (dict(pipeline=2, pipeline_schedule="DualPipeV", virtual_stages=3), 4, None,
+     "parallel.virtual_stages=3 is invalid: must be == 2"),
+    (dict(pipeline_schedule="ZBVZeroBubble", virtual_stages=2), 4, None,
+     "must be 1 with parallel.pipeline=1"),
+    (dict(pipeline=8, pipeline_schedule="DualPipeV", virtual_stages=2), 8, k3_tiny(),
+     "model.num_layers=8 is invalid: must be >= parallel.pipeline*virtual_stages = 8*2 = 16"),
+    (dict(backend="mpi"), 4, None, "parallel.backend='mpi'"),
+    (dict(timeout_s=0.0), 4, None, "parallel.timeout_s=0.0 is invalid: must be > 0"),
+])
+def test_bad_layouts_are_rejected_naming_the_fields(kw, world, model, message):
+    with pytest.raises(ConfigError) as err:
+        Topology.from_config(_parallel(**kw), world, model)
+    assert message in str(err.value)
+
+
+def test_sizes_resolve_from_the_world():
+    t = Topology.from_config(_parallel(tensor=2, data_replicate=2, data_shard="full"), 16,
+                             k3_tiny())
+    assert (t.pp, t.dp, t.dp_replicate, t.dp_shard, t.cp, t.tp, t.ep, t.etp, t.edp) == \
+        (1, 8, 2, 4, 1, 2, 1, 1, 16)
+    assert t.sequence_parallel
+    # Sequence parallelism only exists over tensor-parallel ranks: ignored (off) without them.
+    assert not Topology.from_config(_parallel(), 4).sequence_parallel
+    t = Topology.from_config(_parallel(tensor=8, context=2, pipeline=8, expert=32,
+                                       expert_tensor=2), 1024, k3_full())
+    assert (t.dp, t.edp) == (8, 2)
+    assert not t.initialized
+    with pytest.raises(RuntimeError, match="initialize"):
+        t.group("tp")
+
+
+def test_symmetric_memory_transport_needs_cuda():
+    t = Topology.from_config(_parallel(moonep_transport="symm_mem"), 1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="parallel.moonep.transport='symm_mem'.*needs CUDA"):
+            t.initialize("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- groups equal megatron-core's RankGenerator ----
+
+def _oracle(t: Topology) -> dict[str, list[list[int]]]:
+    """Every group of every dimension from megatron-core's RankGenerator (no process group)."""
+    dense = RankGenerator(tp=t.tp, ep=1, dp=t.dp, pp=t.pp, cp=t.cp, order=MEGATRON_ORDER)
+    expert = RankGenerator(tp=t.etp, ep=t.ep, dp=t.edp, pp=t.pp, cp=1, order=MEGATRON_ORDER)
+    dp = dense.get_ranks("dp")
+    dp_cp = dense.get_ranks("dp-cp")
+    shard_cp = t.dp_shard * t.cp
+    groups = {
+        "tp": dense.get_ranks("tp"), "cp": dense.get_ranks("cp"), "pp": dense.get_ranks("pp"),
+        "dp": dp, "dp_cp": dp_cp,
+        # megatron's partial distributed optimizer: contiguous runs of the dp x cp ranks ...
+        "dp_shard_cp": [g[i:i + shard_cp] for g in dp_cp for i in range(0, len(g), shard_cp)],
+        # ... and of the dp ranks (shards), the replicas strided across them
+        "dp_shard": [g[i:i + t.dp_shard] for g in dp for i in range(0, len(g), t.dp_shard)],
+        "dp_replicate": [g[i::t.dp_shard] for g in dp for i in range(t.dp_shard)],
+        "ep": expert.get_ranks("ep"), "etp": expert.get_ranks("tp"),
+        "edp": expert.get_ranks("dp"),
+    }
+    return {name: sorted(g) for name, g in groups.items()}
+
+
+LAYOUTS_1024 = {
+    "tp8-ep64-pp16": _parallel(tensor=8, expert=64, pipeline=16),
+    "tp8-cp2-pp8-ep32-etp2": _parallel(tensor=8, context=2, pipeline=8, expert=32,
+                                       expert_tensor=2),
+    "hsdp2x4-tp8-cp2-pp8-ep16-etp2": _parallel(tensor=8, context=2, pipeline=8, expert=16,
+                                               expert_tensor=2, data_replicate=2,
+                                               data_shard="full"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS_1024)
+def test_every_group_of_a_1024_rank_layout_equals_the_rank_generator(name):
+    t = Topology.from_config(LAYOUTS_1024[name], 1024, k3_full())
+    oracle = _oracle(t)
+    for dim, groups in oracle.items():
+        assert t.all_groups(dim) == groups, dim
+        assert all(len(g) == t.size(dim) for g in groups), dim
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", LAYOUTS_1024)
+def test_a_1024_rank_layout_initialises_on_the_fake_process_group(name):
+    t = Topology.from_config(LAYOUTS_1024[name], 1024, k3_full())
+    oracle = _oracle(t)
+    world = torch.arange(1024, dtype=torch.int)
+    ranks = [0, 1, 511, 1023, *random.Random(name).sample(range(2, 1023), 4)]
+    for rank in ranks:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=1024)
+        try:
+            t.initialize("cpu")
+            for dim, groups in oracle.items():
+                (expected,) = [g for g in groups if rank in g]
+                group = t.group(dim)
+                assert dist.get_process_group_ranks(group) == expected, (dim, rank)
+                assert t.rank_in(dim) == expected.index(rank) == dist.get_rank(group), dim
+                assert t.mesh(dim).mesh.tolist() == expected, (dim, rank)
+            # megatron-core's own view of this rank agrees
+            assert ps.get_tensor_model_parallel_rank() == t.rank_in("tp")
+            assert ps.get_pipeline_model_parallel_rank() == t.rank_in("pp")
+            assert ps.get_data_parallel_rank() == t.rank_in("dp")
+            assert ps.get_context_parallel_rank() == t.rank_in("cp")
+            assert ps.get_expert_model_parallel_rank() == t.rank_in("ep")
+            assert ps.get_expert_tensor_parallel_rank() == t.rank_in("etp")
+            assert ps.get_expert_data_parallel_rank() == t.rank_in("edp")
+            # n-D meshes span the world exactly as init_device_mesh would lay it out
+            full = t.mesh("pp", "dp_replicate", "dp_shard", "cp", "tp")
+            assert torch.equal(full.mesh, world.reshape(t.pp, t.dp_replicate, t.dp_shard,
+                                                        t.cp, t.tp))
+            experts = t.mesh("pp", "edp", "ep", "etp")
+            assert torch.equal(experts.mesh, world.reshape(t.pp, t.edp, t.ep, t.etp))
+            for mesh, dims in ((full, ("pp", "dp_replicate", "dp_shard", "cp", "tp")),
+                               (experts, ("pp", "edp", "ep", "etp"))):
+                assert list(mesh.get_coordinate()) == [t.rank_in(d) for d in dims]
+                for i, d in enumerate(dims):
+                    assert mesh.get_group(i) is t.group(d)  # the same groups, no new ones
+            dp_tp = t.mesh("dp", "tp")
+            assert dp_tp.mesh[t.rank_in("dp"), t.rank_in("tp")] == rank
+            assert dp_tp.mesh[:, 0].tolist() == t.ranks("dp", int(dp_tp.mesh[0, 0]))
+            assert f"rank {rank}:" in t.describe()
+        finally:
+            t.destroy()
+            dist.destroy_process_group()
+
+
+# ---- a real 4-rank gloo world: groups equal meshes, collectives over each ----
+
+LAYOUTS_4 = [
+    (_parallel(tensor=2), [("dp", "tp")]),
+    (_parallel(data_replicate=2, data_shard="full"), [("dp_replicate", "dp_shard")]),
+    (_parallel(context=2, tensor=2), [("cp", "tp")]),
+    (_parallel(expert=2), [("edp", "ep")]),
+    (_parallel(context=2, data_replicate=2, data_shard="full"),
+     [("dp_replicate", "dp_shard_cp"), ("dp_replicate", "dp_shard", "cp")]),
+    (_parallel(pipeline=2, tensor=2, expert=2), [("pp", "tp"), ("pp", "edp", "ep", "etp")]),
+    (_parallel(tensor=2, expert=2, expert_tensor=2), [("dp", "tp"), ("ep", "etp")]),
+]
+
+
+def _check_hsdp(t: Topology, rank: int) -> None:
+    """FSDP2 takes the HSDP mesh as is: its gradient is the mean of every data rank's."""
+    from torch.distributed.fsdp import fully_shard
+
+    def batch(r: int) -> torch.Tensor:
+        return torch.arange(8.0).reshape(2, 4) * (r + 1) / 10
+
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 3)
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=t.mesh("dp_replicate", "dp_shard"))
+    model(batch(t.rank_in("dp"))).square().sum().backward()
+    for r in range(t.dp):  # the same weights, every rank's data, one process
+        (reference(batch(r)).square().sum() / t.dp).backward()
+    for name, p in model.named_parameters():
+        assert_close_rms(getattr(reference, name).grad, p.grad.full_tensor(), 1e-6, name)
+
+
+def _gloo_worker(rank: int, init_file: str) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    try:
+        for parallel, meshes in LAYOUTS_4:
+            t = Topology.from_config(parallel, 4, k3_tiny()).initialize("cpu")
+            for dim in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_cp",
+                        "dp_shard_cp", "ep", "etp", "edp"):
+                ranks = t.ranks(dim)
+                group = t.group(dim)
+                assert dist.get_process_group_ranks(group) == ranks, (parallel, dim)
+                assert t.mesh(dim).mesh.tolist() == ranks, (parallel, dim)
+                total = torch.tensor([float(rank)])
+                dist.all_reduce(total, group=group)
+                assert total.item() == sum(ranks), (parallel, dim)
+                gathered = [torch.zeros(1) for _ in ranks]
+                dist.all_gather(gathered, torch.tensor([float(rank)]), group=group)
+                assert [int(x.item()) for x in gathered] == ranks, (parallel, dim)
+                assert t.rank_in(dim) == ranks.index(rank)
+            for dims in meshes:
+                mesh = t.mesh(*dims)
+                assert mesh.mesh.tolist() == t.mesh_ranks(dims, rank).tolist()
+                # a DTensor sharded over every mesh dim gathers back whole: the mesh's
+                # collectives run on the topology's groups
+                full = torch.arange(2.0**mesh.ndim * 3).reshape(*([2] * mesh.ndim), 3)
+                shards = [Shard(i) for i in range(mesh.ndim)]
+                dt = distribute_tensor(full, mesh, shards)
+                assert torch.equal(dt.full_tensor(), full), dims
+            if t.dp_replicate > 1:
+                _check_hsdp(t, rank)
+            t.destroy()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
+    mp.spawn(_gloo_worker, args=(str(tmp_path / "init"),), nprocs=4, join=True)
+
+
+# ---- k3-train's start-up validation goes through the Topology ----
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (dict(data_shard="zero3"), 2, "parallel.data_shard='zero3'"),
+    (dict(data=3), 2, "parallel.data=3"),
+    (dict(tensor=2), 2, "parallel.tensor=2 is invalid: must be 1: tensor parallelism is not "
+                        "implemented yet in k3-train"),
+    (dict(context=2), 2, "parallel.context=2 is invalid: must be 1: context parallelism"),
+    (dict(expert=2), 2, "parallel.expert=2 is invalid: must be 1: expert parallelism"),
+    (dict(pipeline=2), 2, "parallel.pipeline=2 is invalid: must be 1: pipeline parallelism"),
+])
+def test_train_config_validation_uses_the_topology(overrides, world, message):
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(**overrides))
+    with pytest.raises(ConfigError) as err:
+        validate_train_config(cfg, world)
+    assert message in str(err.value)
+
+
+def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(tensor=2))
+    cfg.stage.seq_len = 127
+    with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
+        validate_train_config(cfg, 2)
+    cfg.parallel.sequence_parallel = False  # then only the not-yet-implemented tensor size fails
+    with pytest.raises(ConfigError, match="parallel.tensor=2"):
+        validate_train_config(cfg, 2)
+    cfg.parallel.tensor = 1
+    assert validate_train_config(cfg, 2) is cfg
