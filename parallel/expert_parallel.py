@@ -65,3 +65,25 @@ def allreduce_expert_parallel_gradients(model: nn.Module, dp_group: dist.Process
     params = [p for p in model.parameters() if p.requires_grad]
     allreduce_gradients(model, dp_group, params=[p for p in params if not is_expert_parameter(p)])
     allreduce_gradients(model, edp_group, params=[p for p in params if is_expert_parameter(p)])
+
+
+def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
+                                   ep_group: dist.ProcessGroup) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole (logical) model when expert weights are
+    sharded over `ep_group`: dense gradients are the same on every rank, each rank adds its
+    home experts' squares, one all-reduce over the EP ranks gives the global norm. Call after
+    the gradient reductions; returns the total norm (a device tensor, no host sync)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    device = params[0].grad.device
+
+    def squares(group: list[torch.Tensor]) -> torch.Tensor:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return sum((p.grad.double().square().sum() for p in group), zero)
+
+    expert_sq = squares([p for p in params if is_expert_parameter(p)])
+    dist.all_reduce(expert_sq, group=ep_group)
+    total = (squares([p for p in params if not is_expert_parameter(p)]) + expert_sq).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return total.float()

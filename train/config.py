@@ -152,7 +152,8 @@ class TrainConfig:
 # Layouts the Topology validates but the training loop cannot run yet; each entry goes when its
 # parallelism lands (tensor: the loop's collectives are still data-parallel only).
 _NOT_IMPLEMENTED_YET = {"tensor": "tensor parallelism", "context": "context parallelism",
-                        "expert": "expert parallelism", "pipeline": "pipeline parallelism"}
+                        "expert_tensor": "expert tensor parallelism",
+                        "pipeline": "pipeline parallelism"}
 
 
 def _fail(path: str, value, valid: str) -> None:
@@ -197,6 +198,9 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         if getattr(cfg.parallel, name) != 1:
             _fail(f"parallel.{name}", getattr(cfg.parallel, name),
                   f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
+    if topo.ep > 1 and cfg.parallel.moonep.transport != "collective":
+        _fail("parallel.moonep.transport", cfg.parallel.moonep.transport,
+              "must be 'collective': the symm_mem transport is not implemented yet")
     dp = topo.dp
     micro = cfg.stage.micro_batch_size * dp
     if cfg.stage.global_batch_size % micro:

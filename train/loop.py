@@ -15,6 +15,11 @@ from model.batch import K3Batch
 from model.k3 import K3Model
 from model.moe import update_balancers
 from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
+from parallel.expert_parallel import (
+    allreduce_expert_parallel_gradients,
+    apply_expert_parallel,
+    clip_grad_norm_expert_parallel,
+)
 
 from .activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 from .checkpoint import Checkpointer
@@ -83,6 +88,10 @@ def train(cfg: TrainConfig) -> int:
     accum = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * dp_size)
 
     model = K3Model(cfg.model).to(env.device)
+    if topology.ep > 1:  # before the optimizer: each rank keeps (and updates) its home experts
+        moonep = cfg.parallel.moonep
+        apply_expert_parallel(model, topology.group("ep"), cfg.parallel.expert_dispatch,
+                              moonep.transport, moonep.alignment)
     precision = PrecisionPlan.build(cfg.precision, env.device, model, cfg.optim.qk_clip_tau)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, precision.autocast)
@@ -123,9 +132,13 @@ def train(cfg: TrainConfig) -> int:
             set_lr(optimizers, lr)
             loss = forward_backward(model, [next(batches) for _ in range(accum)], env, precision)
             fill_missing_gradients(model)
-            allreduce_gradients(model)
             max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if topology.ep > 1:
+                allreduce_expert_parallel_gradients(model, None, topology.group("edp"))
+                grad_norm = clip_grad_norm_expert_parallel(model, max_norm, topology.group("ep"))
+            else:
+                allreduce_gradients(model)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
             if finite:
                 for opt in optimizers:
