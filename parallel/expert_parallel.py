@@ -46,6 +46,7 @@ def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch:
         experts.w1 = nn.Parameter(experts.w1.detach()[home].clone())
         experts.w2 = nn.Parameter(experts.w2.detach()[home].clone())
         experts.w1.expert_parallel = experts.w2.expert_parallel = True
+        experts.num_experts = per_rank
         if dispatch == "moonep":
             dispatcher = MoonEPDispatcher(num_experts, CollectiveTransport(ep_group), alignment)
             experts.group_weights = dispatcher.group_weights
@@ -87,3 +88,35 @@ def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
     for p in params:
         p.grad.mul_(coef.to(p.grad.dtype))
     return total.float()
+
+
+class ExpertShardedState:
+    """Shows torch.distributed.checkpoint the logical experts: in the model and optimizer state
+    dicts (get_state_dict's, keyed by parameter name) each expert tensor becomes a DTensor of
+    the full [E, ...] shape, Shard(0) over the EP ranks and replicated over the expert-data-
+    parallel ranks, so a checkpoint holds every expert once and loads into any EP layout or
+    one process. `mesh` is the 2-D (edp, ep) mesh. The DTensors share the local tensors'
+    storage, so a load fills the local shards; `unwrap` hands set_state_dict plain tensors."""
+
+    def __init__(self, model: nn.Module, mesh):
+        self.names = {name for name, p in model.named_parameters() if is_expert_parameter(p)}
+        self.mesh = mesh
+
+    def _entries(self, model_sd: dict, optim_sd: dict):
+        """(container, key) of every expert tensor in both state dicts."""
+        for name in self.names:
+            yield model_sd, name
+            for key, value in optim_sd.get("state", {}).get(name, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step count
+                    yield optim_sd["state"][name], key
+
+    def wrap(self, model_sd: dict, optim_sd: dict) -> None:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        for container, key in self._entries(model_sd, optim_sd):
+            container[key] = DTensor.from_local(container[key], self.mesh,
+                                                [Replicate(), Shard(0)], run_check=False)
+
+    def unwrap(self, model_sd: dict, optim_sd: dict) -> None:
+        for container, key in self._entries(model_sd, optim_sd):
+            container[key] = container[key].to_local()

@@ -5,15 +5,21 @@ biases, parameters), with MoonEP and with the dynamic baseline, fp32 and MXFP4 Q
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from model.batch import K3Batch
 from model.config import k3_tiny
 from model.k3 import K3Model
 from model.moe import update_balancers
 from parallel.data_parallel import fill_missing_gradients
-from parallel.expert_parallel import allreduce_expert_parallel_gradients, apply_expert_parallel
+from parallel.expert_parallel import (
+    ExpertShardedState,
+    allreduce_expert_parallel_gradients,
+    apply_expert_parallel,
+)
 from tests.moonep_helpers import run_world
 from tests.tolerances import assert_close_rms
+from train.checkpoint import Checkpointer
 
 STEPS, ROWS, SEQ = 3, 4, 32  # global batch: 4 rows of 32 tokens per step
 
@@ -41,11 +47,15 @@ def build(qat: bool) -> K3Model:
     return model
 
 
-def train(model: K3Model, rows_of_step, reduce_grads, reduce_stats) -> list[dict]:
-    """3 AdamW steps as k3-train's defaults take them (optim/adamw.yaml: peak lr 3e-3, linear
+def adamw(model: K3Model) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def train(model: K3Model, rows_of_step, reduce_grads, reduce_stats, opt=None) -> list[dict]:
+    """AdamW steps as k3-train's defaults take them (optim/adamw.yaml: peak lr 3e-3, linear
     warmup over 10 steps, betas 0.9/0.95, decay 0.1); per step the loss, each MoE layer's
     expert gradients and biases."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = opt or adamw(model)
     balancers = [m.balancer for m in model.moe_layers()]
     records = []
     for step, rows in enumerate(rows_of_step):
@@ -108,7 +118,45 @@ def check_layout(name, ep_group, dp_group, edp_group, dp_ranks, dispatch, qat):
         assert_close_rms(expected, p, tol, f"{pname} after {STEPS} steps ({name})")
 
 
-def _world_of_four(rank: int, world: int) -> None:
+def check_checkpoint_reshards(root: str, pair, stride, everyone, single) -> None:
+    """Saved under EP2 x DP2 after one step; loaded into EP4 and into whole (unsharded) models:
+    every expert weight and AdamW moment equals the one-process run's."""
+    rank = dist.get_rank()
+    batches = global_batches()[:1]
+    ref_model = build(False)
+    ref_opt = adamw(ref_model)
+    train(ref_model, batches, lambda m: None, lambda t: t, ref_opt)
+    model = build(False)
+    apply_expert_parallel(model, pair)
+    opt = adamw(model)
+    mine = [b[rank:rank + 1] for b in batches]
+    train(model, mine, lambda m: allreduce_expert_parallel_gradients(m, everyone, stride),
+          _sum_over(everyone), opt)
+    mesh_2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    saver = Checkpointer(root, 1, rank, 4, sharded=ExpertShardedState(model, mesh_2x2))
+    path = saver.save(1, model, [opt], {})
+    ref_state = {name: ref_opt.state[p] for name, p in ref_model.named_parameters()}
+    ref_params = dict(ref_model.named_parameters())
+    mesh_1x4 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("edp", "ep"))
+    for layout, ranks, mesh in (("EP4", 4, mesh_1x4), ("whole", 1, None)):
+        loaded = build(False)
+        if mesh is not None:
+            apply_expert_parallel(loaded, everyone)
+        loaded_opt = adamw(loaded)
+        sharded = None if mesh is None else ExpertShardedState(loaded, mesh)
+        assert Checkpointer(root, 1, rank, 4, sharded).load(path, loaded, [loaded_opt],
+                                                            lambda s: None) == 1
+        per_rank = k3_tiny().moe.num_experts // ranks
+        home = slice(rank % ranks * per_rank, (rank % ranks + 1) * per_rank)
+        for name, p in loaded.named_parameters():
+            part = home if p.shape != ref_params[name].shape else slice(None)
+            assert torch.equal(ref_params[name].detach()[part], p.detach()), (layout, name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                expected = ref_state[name][key][part]
+                assert_close_rms(expected, loaded_opt.state[p][key], 1e-12, f"{layout} {name}")
+
+
+def _world_of_four(rank: int, world: int, root: str) -> None:
     assert world == 4
     everyone = dist.group.WORLD
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -125,8 +173,9 @@ def _world_of_four(rank: int, world: int) -> None:
                  "moonep", qat=True)
     check_layout("EP4 x mxfp4_qat", everyone, everyone, single[rank], [0, 1, 2, 3], "moonep",
                  qat=True)
+    check_checkpoint_reshards(root, pair, stride, everyone, single)
 
 
 @pytest.mark.timeout(600)
-def test_expert_parallel_k3_tiny_matches_one_process():
-    run_world(4, _world_of_four)
+def test_expert_parallel_k3_tiny_matches_one_process(tmp_path):
+    run_world(4, _world_of_four, str(tmp_path / "checkpoints"))

@@ -272,7 +272,6 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
     (dict(context=2), 2, "parallel.context=2 is invalid: must be 1: context parallelism"),
     (dict(expert_tensor=2), 2, "parallel.expert_tensor=2 is invalid: must be 1: expert tensor "
                                "parallelism"),
-    (dict(expert=2), 2, "parallel.expert=2 is invalid: needs checkpoint.every=0"),
     (dict(expert=2, moonep_transport="symm_mem"), 2,
      "parallel.moonep.transport='symm_mem' is invalid: must be 'collective'"),
     (dict(pipeline=2), 2, "parallel.pipeline=2 is invalid: must be 1: pipeline parallelism"),

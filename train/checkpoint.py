@@ -79,8 +79,13 @@ def set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, keep_last: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, root: str | Path, keep_last: int, rank: int = 0, world_size: int = 1,
+                 sharded=None):
+        """`sharded`: an object whose wrap/unwrap(model_sd, optim_sd) present parameters split
+        across ranks as DTensors of their logical shape (parallel.expert_parallel's
+        ExpertShardedState); None when every rank holds whole parameters."""
         self.root = Path(root)
+        self.sharded = sharded
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
@@ -117,6 +122,8 @@ class Checkpointer:
             partial.mkdir()
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizers)
+        if self.sharded is not None:
+            self.sharded.wrap(model_sd, optim_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
         torch.save({**rank_state, "rng": rng_state()}, partial / f"rank{self.rank:05d}.pt")
         _fault_injection(step)
@@ -144,8 +151,12 @@ class Checkpointer:
         """Restores model, optimizer, RNG and (via the callback) loader state; returns the step."""
         meta = json.loads((path / COMPLETE).read_text())
         model_sd, optim_sd = get_state_dict(model, optimizers)
+        if self.sharded is not None:
+            self.sharded.wrap(model_sd, optim_sd)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
+        if self.sharded is not None:
+            self.sharded.unwrap(state["model"], state["optim"])
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         rank_file = path / f"rank{self.rank:05d}.pt"

@@ -201,11 +201,6 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     if topo.ep > 1 and cfg.parallel.moonep.transport != "collective":
         _fail("parallel.moonep.transport", cfg.parallel.moonep.transport,
               "must be 'collective': the symm_mem transport is not implemented yet")
-    saves = cfg.checkpoint.every > 0 or cfg.checkpoint.save_at_end
-    if topo.ep > 1 and saves:  # each rank holds other experts under one name: DCP keeps one
-        _fail("parallel.expert", topo.ep, "needs checkpoint.every=0 and "
-              "checkpoint.save_at_end=false: checkpoints of sharded experts are not "
-              "implemented yet (they would keep one rank's experts only)")
     dp = topo.dp
     micro = cfg.stage.micro_batch_size * dp
     if cfg.stage.global_batch_size % micro:

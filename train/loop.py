@@ -16,6 +16,7 @@ from model.k3 import K3Model
 from model.moe import update_balancers
 from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
 from parallel.expert_parallel import (
+    ExpertShardedState,
     allreduce_expert_parallel_gradients,
     apply_expert_parallel,
     clip_grad_norm_expert_parallel,
@@ -102,8 +103,10 @@ def train(cfg: TrainConfig) -> int:
         log.info("optimizer groups:\n%s", describe_groups(model, optimizers))
     loader = build_loader(cfg, dp_rank=env.rank, dp_size=dp_size)
     balancers = [moe.balancer for moe in model.moe_layers() if moe.balancer is not None]
+    sharded = (ExpertShardedState(model, topology.mesh("edp", "ep")) if topology.ep > 1
+               else None)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
-                        env.world_size)
+                        env.world_size, sharded)
     step = 0
     latest = ckpt.latest() if cfg.checkpoint.resume else None
     if latest is not None:

@@ -88,11 +88,15 @@ def entry_slots(plan: MoonEPPlan, layout: SlotLayout,
     # ... then among all its expert's entries, source ranks in ascending order.
     global_index = _exclusive_cumsum(counts, 0).gather(1, expert) + rank_in_source
 
+    # Destination: the first rank whose cut of the expert's sequence ends past the entry. One
+    # searchsorted over every expert's cut ends, each row offset past the previous one's.
     cut_ends = plan.alloc.cumsum(1)  # [E, R]
-    ends_of_entry = cut_ends[expert]  # [R, S*K, R]
-    dest = (ends_of_entry <= global_index[..., None]).sum(-1)
-    index_in_rank = global_index - (ends_of_entry.gather(2, dest[..., None]).squeeze(-1)
-                                    - plan.alloc[expert, dest])
+    row_offset = num_ranks * num_entries + 1  # above any entry count
+    offsets = torch.arange(num_experts, device=device)[:, None] * row_offset
+    position = torch.searchsorted((cut_ends + offsets).view(-1),
+                                  expert * row_offset + global_index, right=True)
+    dest = position - expert * num_ranks
+    index_in_rank = global_index - (cut_ends - plan.alloc)[expert, dest]
     home = expert // per_rank
     is_home = home == dest
     copy_group = copy_group_of(plan)[expert, dest]
