@@ -95,28 +95,28 @@ class ExpertShardedState:
     dicts (get_state_dict's, keyed by parameter name) each expert tensor becomes a DTensor of
     the full [E, ...] shape, Shard(0) over the EP ranks and replicated over the expert-data-
     parallel ranks, so a checkpoint holds every expert once and loads into any EP layout or
-    one process. `mesh` is the 2-D (edp, ep) mesh. The DTensors share the local tensors'
-    storage, so a load fills the local shards; `unwrap` hands set_state_dict plain tensors."""
+    one process. `mesh` is the 2-D (edp, ep) mesh. Both methods return new dicts (the inputs
+    may share their inner dicts with the live optimizer state); the DTensors share the local
+    tensors' storage, so a load fills the local shards and `unwrap` hands back plain tensors."""
 
     def __init__(self, model: nn.Module, mesh):
         self.names = {name for name, p in model.named_parameters() if is_expert_parameter(p)}
         self.mesh = mesh
 
-    def _entries(self, model_sd: dict, optim_sd: dict):
-        """(container, key) of every expert tensor in both state dicts."""
-        for name in self.names:
-            yield model_sd, name
-            for key, value in optim_sd.get("state", {}).get(name, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step count
-                    yield optim_sd["state"][name], key
+    def _map(self, model_sd: dict, optim_sd: dict, fn) -> tuple[dict, dict]:
+        model_sd = {k: fn(v) if k in self.names else v for k, v in model_sd.items()}
+        state = {name: ({k: fn(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                         for k, v in entry.items()} if name in self.names else entry)
+                 for name, entry in optim_sd.get("state", {}).items()}
+        return model_sd, {**optim_sd, "state": state}
 
-    def wrap(self, model_sd: dict, optim_sd: dict) -> None:
+    def wrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        for container, key in self._entries(model_sd, optim_sd):
-            container[key] = DTensor.from_local(container[key], self.mesh,
-                                                [Replicate(), Shard(0)], run_check=False)
+        def to_dtensor(t: torch.Tensor):
+            return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)], run_check=False)
 
-    def unwrap(self, model_sd: dict, optim_sd: dict) -> None:
-        for container, key in self._entries(model_sd, optim_sd):
-            container[key] = container[key].to_local()
+        return self._map(model_sd, optim_sd, to_dtensor)
+
+    def unwrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        return self._map(model_sd, optim_sd, lambda t: t.to_local())

@@ -81,9 +81,10 @@ def set_rng_state(state: dict) -> None:
 class Checkpointer:
     def __init__(self, root: str | Path, keep_last: int, rank: int = 0, world_size: int = 1,
                  sharded=None):
-        """`sharded`: an object whose wrap/unwrap(model_sd, optim_sd) present parameters split
-        across ranks as DTensors of their logical shape (parallel.expert_parallel's
-        ExpertShardedState); None when every rank holds whole parameters."""
+        """`sharded`: an object whose wrap/unwrap(model_sd, optim_sd) -> (model_sd, optim_sd)
+        present parameters split across ranks as DTensors of their logical shape and back
+        (parallel.expert_parallel's ExpertShardedState); None when every rank holds whole
+        parameters."""
         self.root = Path(root)
         self.sharded = sharded
         self.keep_last = keep_last
@@ -123,7 +124,7 @@ class Checkpointer:
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizers)
         if self.sharded is not None:
-            self.sharded.wrap(model_sd, optim_sd)
+            model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
         torch.save({**rank_state, "rng": rng_state()}, partial / f"rank{self.rank:05d}.pt")
         _fault_injection(step)
@@ -152,11 +153,11 @@ class Checkpointer:
         meta = json.loads((path / COMPLETE).read_text())
         model_sd, optim_sd = get_state_dict(model, optimizers)
         if self.sharded is not None:
-            self.sharded.wrap(model_sd, optim_sd)
+            model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
         if self.sharded is not None:
-            self.sharded.unwrap(state["model"], state["optim"])
+            state["model"], state["optim"] = self.sharded.unwrap(state["model"], state["optim"])
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         rank_file = path / f"rank{self.rank:05d}.pt"
