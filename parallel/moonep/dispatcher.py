@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from model.moe.dispatch import Dispatched, combine_dtype
-from parallel.moonep.layout import entry_slots, num_slots, slot_layout
+from parallel.moonep.layout import entry_slots, slot_layout
 from parallel.moonep.plan import MoonEPPlan, plan_moonep
 from parallel.moonep.transport import Transport
 
@@ -38,9 +38,6 @@ class MoonEPDispatcher:
         self.experts_per_rank = num_experts // transport.size
         # This micro-batch's copy slots: set by dispatch, read by group_weights.
         self._copied_experts: torch.Tensor | None = None
-
-    def num_slots(self, num_entries: int) -> int:
-        return num_slots(num_entries, self.experts_per_rank, self.alignment)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weight: torch.Tensor) -> MoonEPDispatched:

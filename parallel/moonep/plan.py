@@ -36,10 +36,6 @@ class MoonEPPlan:
     alignment: int
 
     @property
-    def num_ranks(self) -> int:
-        return self.alloc.shape[1]
-
-    @property
     def experts_per_rank(self) -> int:
         return self.alloc.shape[0] // self.alloc.shape[1]
 
