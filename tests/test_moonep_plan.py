@@ -47,7 +47,7 @@ def check_against_reference(counts: torch.Tensor, top_k: int) -> None:
 
 @st.composite
 def routings(draw, ranks):
-    """tokens_per_expert [R, E] from random, skewed and adversarial routings."""
+    """(every rank's topk_idx [R, S, K], E) from random, skewed and adversarial routings."""
     per_rank = draw(st.sampled_from([1, 2, 3]))
     num_experts = ranks * per_rank
     top_k = draw(st.integers(1, min(num_experts, 4)))
@@ -75,15 +75,17 @@ def routings(draw, ranks):
     if kind == "random":
         topk = torch.multinomial(weights.expand(ranks * tokens, -1), top_k,
                                  generator=gen).view(ranks, tokens, top_k)
-    return counts_from_routing(topk, num_experts), top_k
+    return topk, num_experts
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_planner_matches_reference_and_keeps_invariants(ranks):
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(routings(ranks))
-    def check(case):
-        check_against_reference(*case)
+    @given(routings(ranks), st.sampled_from([1, 3]))
+    def check(case, alignment):
+        topk, num_experts = case
+        check_against_reference(counts_from_routing(topk, num_experts), topk.shape[-1])
+        check_slots(topk.reshape(ranks, -1), num_experts, topk.shape[-1], alignment)
 
     check()
 
@@ -115,34 +117,44 @@ def test_all_tokens_to_one_expert_with_top1_fills_every_rank_from_it():
     check_invariants(plan, counts)
 
 
-@pytest.mark.parametrize("alignment", [1, 4])
-def test_entry_slots_fill_each_rank_exactly_in_a_fixed_order(alignment):
-    torch.manual_seed(1)
-    ranks, per_rank, tokens, top_k = 4, 2, 24, 2
-    num_experts = ranks * per_rank
-    skew = torch.tensor([20.0, 1, 1, 1, 0.1, 0.1, 3, 0.1])
-    topk = torch.multinomial(skew.expand(ranks * tokens, -1), top_k).view(ranks, -1)
-    counts = counts_from_routing(topk, num_experts)
-    plan = plan_moonep(counts, top_k, alignment)
-    layout = slot_layout(plan, tokens * top_k)
+def check_slots(topk: torch.Tensor, num_experts: int, top_k: int, alignment: int) -> None:
+    """Slot layout and entry slots of topk [R, S*K]: S*K distinct rows per rank, each in its
+    expert's (home or copy) group, groups padded, entries in (source rank, token, k) order."""
+    ranks, entries = topk.shape
+    per_rank = num_experts // ranks
+    plan = plan_moonep(counts_from_routing(topk, num_experts), top_k, alignment)
+    layout = slot_layout(plan, entries)
     dest, slot = entry_slots(plan, layout, topk)
-    rows = num_slots(tokens * top_k, per_rank, alignment)
+    rows = num_slots(entries, per_rank, alignment)
     assert layout.num_slots == rows and (layout.group_ends[:, -1] == rows).all()
     starts, ends = layout.group_starts, layout.group_ends
     assert ((ends - starts) % alignment == 0)[:, :-1].all()
     for d in range(ranks):
         mine = slot[dest == d]
-        assert mine.numel() == tokens * top_k, "S*K entries per rank"
+        assert mine.numel() == entries, "S*K entries per rank"
         assert mine.unique().numel() == mine.numel() and (mine < rows).all()
         # Each entry lands in its expert's group (home group, or the copy group holding it).
         groups = torch.searchsorted(ends[d], mine, right=True)
-        experts = topk[dest == d]
         copied = plan.copied_experts[d]
         group_expert = torch.cat([torch.arange(per_rank) + d * per_rank, copied])
-        assert torch.equal(group_expert[groups], experts)
+        assert torch.equal(group_expert[groups], topk[dest == d])
         assert torch.equal(layout.group_counts[d], torch.bincount(groups, minlength=2 * per_rank))
+        # Rows inside a group start at its padded start.
+        for g in range(2 * per_rank):
+            in_group = torch.sort(mine[groups == g]).values
+            assert torch.equal(in_group, torch.arange(in_group.numel()) + starts[d, g])
     # Inside a group, entries follow (source rank, token, top-k position) order.
     for e in range(num_experts):
-        src = (topk == e).nonzero()
-        order = torch.argsort(dest[topk == e] * rows * 2 + slot[topk == e], stable=True)
-        assert torch.equal(order, torch.arange(src.shape[0]))
+        key = dest[topk == e] * rows * 2 + slot[topk == e]
+        assert torch.equal(torch.argsort(key, stable=True), torch.arange(key.numel()))
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_entry_slots_fill_each_rank_exactly_in_a_fixed_order(alignment):
+    torch.manual_seed(1)
+    ranks, tokens, top_k = 4, 24, 2
+    skew = torch.tensor([20.0, 1, 1, 1, 0.1, 0.1, 3, 0.1])
+    topk = torch.multinomial(skew.expand(ranks * tokens, -1), top_k).view(ranks, -1)
+    plan = plan_moonep(counts_from_routing(topk, 8), top_k, alignment)
+    assert (plan.copied_experts >= 0).any(), "the case must exercise copy slots"
+    check_slots(topk, 8, top_k, alignment)
