@@ -176,9 +176,10 @@ def _world_of_four(rank: int, world: int, root: str) -> None:
                      dispatch, qat=False)
     # EP2 x DP2: EP inside consecutive pairs, expert-data-parallel across them.
     check_layout("EP2 x DP2", pair, everyone, stride, [0, 1, 2, 3], "moonep", qat=False)
-    # EP2 alone, each pair its own 2-rank job, with MXFP4 QAT.
-    check_layout("EP2 mxfp4_qat", pair, pair, single[rank], [2 * (rank // 2), 2 * (rank // 2) + 1],
-                 "moonep", qat=True)
+    # EP2 alone, each pair its own 2-rank job, without and with MXFP4 QAT.
+    pair_ranks = [2 * (rank // 2), 2 * (rank // 2) + 1]
+    check_layout("EP2", pair, pair, single[rank], pair_ranks, "moonep", qat=False)
+    check_layout("EP2 mxfp4_qat", pair, pair, single[rank], pair_ranks, "moonep", qat=True)
     check_layout("EP4 x mxfp4_qat", everyone, everyone, single[rank], [0, 1, 2, 3], "moonep",
                  qat=True)
     check_checkpoint_reshards(root, pair, stride, everyone)
