@@ -30,6 +30,12 @@ from train.optim.qk_clip import qk_clip_factors
 
 from .context_parallel import ContextParallel, apply_context_parallel, shard_batch
 from .data_parallel import ZeroOneOwnership, apply_data_parallel, fill_missing_gradients
+from .expert_parallel import (
+    ExpertShardedState,
+    allreduce_expert_parallel_gradients,
+    apply_expert_parallel,
+    clip_grad_norm_expert_parallel,
+)
 from .muon_exchange import DTensorExchange
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
 
@@ -48,6 +54,7 @@ class ParallelPlan:
     data_parallel: bool = False
     exchange: MatrixExchange = LocalExchange()
     context: ContextParallel | None = None
+    expert_parallel: bool = False  # experts sharded (shard_experts): own gradient reductions
 
     def _group(self, name: str):
         return None if self.topology is None else self.topology.group(name)
@@ -81,15 +88,30 @@ class ParallelPlan:
 
     def finish_gradients(self) -> None:
         """After backward: gradients for unreached parameters and, without data parallelism's
-        reduction, the tensor-parallel partial sums completed."""
+        reduction, the tensor-parallel partial sums completed. Under expert parallelism dense
+        gradients are summed over dp x cp and expert gradients over the expert-data ranks."""
         if not self.data_parallel:
             reduce_partial_gradients(self.model)
         fill_missing_gradients(self.model)
+        if self.expert_parallel:
+            allreduce_expert_parallel_gradients(self.model, self._group("dp_cp"),
+                                                self._group("edp"))
+
+    @property
+    def sharded_state(self) -> ExpertShardedState | None:
+        """What checkpoints need to store parameters split over ranks outside DTensor (the
+        experts under expert parallelism) at their logical shapes; None otherwise."""
+        if not self.expert_parallel:
+            return None
+        return ExpertShardedState(self.model, self.topology.mesh("edp", "ep"))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over parameters that live on different meshes (dense
-        DTensors on dp x tp, 1-D dp shards, plain tensors): squared norms summed per tensor."""
+        DTensors on dp x tp, 1-D dp shards, plain tensors): squared norms summed per tensor.
+        Under expert parallelism the norm covers every rank's home experts."""
+        if self.expert_parallel:
+            return clip_grad_norm_expert_parallel(self.model, max_norm, self._group("ep"))
         squares = []
         for p in self.model.parameters():
             if p.grad is None:
@@ -135,6 +157,17 @@ def _scale_rows_(weight: torch.Tensor, factors: torch.Tensor) -> None:
     weight.to_local().mul_(rows.redistribute(mesh, target).to_local())
 
 
+def shard_experts(model: K3Model, topology, cfg) -> None:
+    """The first step of a layout, before precision wraps the experts and before the optimizer
+    exists: under expert parallelism each rank keeps its home experts and every MoE layer gets
+    the configured dispatcher (MoonEP or the dynamic baseline). No-op otherwise."""
+    if topology is None or topology.ep == 1:
+        return
+    moonep = cfg.parallel.moonep
+    apply_expert_parallel(model, topology.group("ep"), cfg.parallel.expert_dispatch,
+                          moonep.transport, moonep.alignment)
+
+
 def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
                 ) -> ParallelPlan:
     """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
@@ -142,10 +175,11 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
     (a TrainConfig)."""
     from train.activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 
-    if topology is not None and topology.pp * topology.ep * topology.etp > 1:
-        raise NotImplementedError("pipeline and expert parallelism plug in here; they are "
-                                  "separate plans not applied yet")
+    if topology is not None and topology.pp * topology.etp > 1:
+        raise NotImplementedError("pipeline and expert-tensor parallelism plug in here; they "
+                                  "are separate plans not applied to k3-train yet")
     plan = ParallelPlan(model, topology)
+    plan.expert_parallel = topology is not None and topology.ep > 1
     mesh = None
     shard_dim = "dp_shard"
     if topology is not None and topology.world_size > 1:
@@ -159,7 +193,7 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         apply_activation_checkpointing(model, autocast)
     if cfg.compile:
         compile_sublayers(model)
-    if mesh is not None and topology.dp * topology.cp > 1:
+    if mesh is not None and topology.dp * topology.cp > 1 and not plan.expert_parallel:
         mode = topology.data_shard
         if mode != "full" and topology.dp_replicate > 1:
             raise NotImplementedError("parallel.data_replicate > 1 is HSDP: it needs "

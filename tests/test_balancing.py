@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.moe import QuantileBalancer, load_statistics, route
+from model.moe import QuantileBalancer, load_statistics, route, update_balancers
 
 ESTIMATORS = ["exact", "histogram"]
 PROPERTY = settings(max_examples=25, deadline=None)
@@ -227,3 +227,36 @@ def test_load_statistics():
     assert one_hot["load_max_over_mean"].item() == pytest.approx(4.0)
     empty = load_statistics(torch.zeros(4, dtype=torch.long))
     assert empty["load_cv"].item() == 0.0 and empty["load_max_over_mean"].item() == 0.0
+
+
+def test_update_balancers_reduces_every_layer_in_one_call():
+    """SPEC 5: one integer all-reduce per step for all MoE layers. Two "ranks" with three layers
+    each, the reduction a sum over both ranks' concatenated statistics: the same biases as each
+    layer reducing on its own, and reduce_fn called once per rank."""
+    experts, k = 8, 2
+    layers = [[QuantileBalancer(experts, k) for _ in range(3)] for _ in range(2)]
+    per_layer = [[QuantileBalancer(experts, k) for _ in range(3)] for _ in range(2)]
+    for rank in range(2):
+        for layer in range(3):
+            scores = skewed_scores(64, experts, seed=10 * rank + layer)
+            for balancer in (layers[rank][layer], per_layer[rank][layer]):
+                balancer.accumulate(route(scores, balancer.bias, k))
+    flat = [torch.cat([b.local_statistics().reshape(-1) for b in rank]) for rank in layers]
+    calls = []
+
+    def all_reduce(stats):
+        calls.append(stats.dtype)
+        return flat[0] + flat[1]
+
+    for rank in range(2):
+        update_balancers(layers[rank], all_reduce)
+        for layer in range(3):
+            summed = sum(per_layer[r][layer].local_statistics() for r in range(2))
+            per_layer[rank][layer].reduce_fn = lambda stats, summed=summed: summed.clone()
+    for rank in range(2):
+        for layer in range(3):
+            per_layer[rank][layer].update()
+            assert torch.equal(layers[rank][layer].bias, per_layer[rank][layer].bias)
+            assert torch.equal(layers[rank][layer].last_load, per_layer[rank][layer].last_load)
+    assert calls == [torch.int64, torch.int64]
+    assert not torch.equal(layers[0][0].bias, torch.zeros(experts))

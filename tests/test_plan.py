@@ -31,6 +31,14 @@ def test_plan_of_the_full_model_on_a_large_layout():
     mem = p["memory_per_gpu"]
     assert 0 < mem["total_gib"] < 141, mem  # fits an H200 with this layout
     assert mem["total_gib"] == pytest.approx(sum(v for k, v in mem.items() if k != "total_gib"))
+    # Expert traffic per MoE layer and micro-batch: S = 8192 tokens, R = 64, L = 3584, bf16.
+    traffic = p["expert_traffic"]
+    assert (traffic["tokens_per_rank"], traffic["ranks"]) == (8192, 64)
+    moonep = traffic["moonep_collective"]
+    assert moonep["forward"]["token_all_gather"] == 63 * 8192 * 3584 * 2
+    assert moonep["forward"]["copy_weights_all_gather"] == 63 * 14 * 3 * 3584 * 3072 * 4
+    assert moonep["formula"]["token_all_gather"] == "(R-1)*S*L*a"
+    assert traffic["dynamic"]["forward"]["dispatch_all_to_all"] == 8192 * 16 * 63 // 64 * 3584 * 2
 
 
 def test_plan_rejects_an_expert_layout_that_does_not_divide():

@@ -267,7 +267,10 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
 @pytest.mark.parametrize("overrides, world, message", [
     (dict(data_shard="zero3"), 2, "parallel.data_shard='zero3'"),
     (dict(data=3), 2, "parallel.data=3"),
-    (dict(expert=2), 2, "parallel.expert=2 is invalid: must be 1: expert parallelism"),
+    (dict(expert_tensor=2), 2, "parallel.expert_tensor=2 is invalid: must be 1: expert tensor "
+                               "parallelism"),
+    (dict(expert=2, moonep_transport="symm_mem"), 2,
+     "parallel.moonep.transport='symm_mem' is invalid: must be 'collective'"),
     (dict(pipeline=2), 2, "parallel.pipeline=2 is invalid: must be 1: pipeline parallelism"),
 ])
 def test_train_config_validation_uses_the_topology(overrides, world, message):

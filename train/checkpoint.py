@@ -66,8 +66,14 @@ def _fault_injection(step: int) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, keep_last: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, root: str | Path, keep_last: int, rank: int = 0, world_size: int = 1,
+                 sharded=None):
+        """`sharded`: an object whose wrap/unwrap(model_sd, optim_sd) -> (model_sd, optim_sd)
+        present parameters split across ranks as DTensors of their logical shape and back
+        (parallel.expert_parallel's ExpertShardedState); None when every rank holds whole
+        parameters."""
         self.root = Path(root)
+        self.sharded = sharded
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
@@ -104,6 +110,8 @@ class Checkpointer:
             partial.mkdir()
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizers)
+        if self.sharded is not None:
+            model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
         write_rank_state(rank_file(partial, self.rank), rank_state)
         _fault_injection(step)
@@ -135,8 +143,12 @@ class Checkpointer:
             check(path, self.rank, self.world_size)
         meta = json.loads((path / COMPLETE).read_text())
         model_sd, optim_sd = get_state_dict(model, optimizers)
+        if self.sharded is not None:
+            model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
         state = {"model": model_sd, "optim": optim_sd}
         safe_dcp_load(state, path)
+        if self.sharded is not None:
+            state["model"], state["optim"] = self.sharded.unwrap(state["model"], state["optim"])
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         if meta["world_size"] == self.world_size:

@@ -161,8 +161,7 @@ class TrainConfig:
 
 # Layouts the Topology validates but the training loop cannot run yet; each entry goes when its
 # parallelism lands (tensor: the loop's collectives are still data-parallel only).
-_NOT_IMPLEMENTED_YET = {"expert": "expert parallelism",
-                        "expert_tensor": "expert tensor parallelism",
+_NOT_IMPLEMENTED_YET = {"expert_tensor": "expert tensor parallelism",
                         "pipeline": "pipeline parallelism"}
 
 
@@ -209,6 +208,14 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         if getattr(cfg.parallel, name) != 1:
             _fail(f"parallel.{name}", getattr(cfg.parallel, name),
                   f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
+    if topo.ep > 1 and (topo.tp > 1 or topo.data_shard != "none"):
+        _fail("parallel.expert", topo.ep,
+              f"must be 1 with parallel.tensor={topo.tp} / parallel.data_shard="
+              f"{topo.data_shard!r}: expert parallelism runs with tensor=1 and data_shard=none "
+              "in k3-train so far")
+    if topo.ep > 1 and cfg.parallel.moonep.transport != "collective":
+        _fail("parallel.moonep.transport", cfg.parallel.moonep.transport,
+              "must be 'collective': the symm_mem transport is not implemented yet")
     dp = topo.dp
     micro = cfg.stage.micro_batch_size * dp
     if cfg.stage.global_batch_size % micro:

@@ -14,7 +14,8 @@ import torch
 from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
 from model.k3 import K3Model
-from parallel.apply import ParallelPlan, parallelize
+from model.moe import update_balancers
+from parallel.apply import ParallelPlan, parallelize, shard_experts
 from parallel.topology import Topology
 
 from .checkpoint import Checkpointer
@@ -100,9 +101,12 @@ def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
         parallel.after_optimizer_step()
     clip_row = precision.end_step(model, optim_cfg.qk_clip_tau, updated=finite,
                                   clip=parallel.qk_clip_)
-    for moe in model.moe_layers():
-        if moe.balancer is not None:
-            moe.balancer.update() if finite else moe.balancer.clear()
+    balancers = [moe.balancer for moe in model.moe_layers() if moe.balancer is not None]
+    if finite:  # every layer's histograms in one integer all-reduce (SPEC 5)
+        update_balancers(balancers, parallel.sum_balancer_counts)
+    else:
+        for balancer in balancers:
+            balancer.clear()
     model.zero_grad(set_to_none=True)  # all of them: a ZeRO-1 rank's optimizer holds only its own
     return StepResult(loss, grad_norm, finite, clip_row)
 
@@ -113,6 +117,7 @@ def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: to
     """Model, precision, layout and optimizers, in that order (the optimizers see the sharded
     parameters)."""
     model = K3Model(cfg.model).to(device)
+    shard_experts(model, topology, cfg)
     precision = PrecisionPlan.build(cfg.precision, device, model, cfg.optim.qk_clip_tau)
     parallel = parallelize(model, topology, cfg, autocast=precision.autocast)
     optimizers = build_optimizer(model, cfg.optim, owns=parallel.owns,
@@ -143,7 +148,7 @@ def train(cfg: TrainConfig) -> int:
     dp_rank = topology.rank_in("dp") if env.world_size > 1 else 0
     loader = build_loader(cfg, dp_rank=dp_rank, dp_size=dp_size)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
-                        env.world_size)
+                        env.world_size, parallel.sharded_state)
     step = 0
     latest, fallbacks = resume_checkpoint(ckpt) if cfg.checkpoint.resume else (None, [])
     if latest is not None:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from model.config import ConfigError, K3Config
 from model.k3 import K3Model
 from model.params import count_parameters
+from parallel.moonep.traffic import moe_layer_traffic
 from parallel.topology import Topology
 
 from .cli import CONFIG_DIR, prepare_tool_argv, register_configs, to_train_config
@@ -119,7 +120,20 @@ def plan(cfg) -> dict:
         "memory_per_gpu": memory_per_gpu(cfg.model, counts, layout, cfg.optim.name, seq,
                                          cfg.stage.micro_batch_size,
                                          cfg.activation_checkpointing),
+        "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
     }
+
+
+def expert_traffic(cfg: K3Config, layout: Topology, tokens_per_micro_batch: int) -> dict:
+    """Bytes one rank receives per MoE layer and micro-batch (bf16 activations), per dispatch
+    and transport, with the formulas (parallel/moonep/traffic.py)."""
+    moe = cfg.moe
+    tokens = tokens_per_micro_batch // layout.cp
+    out = {"tokens_per_rank": tokens, "ranks": layout.ep}
+    for name, dispatch in (("moonep_collective", "moonep"), ("dynamic", "dynamic")):
+        out[name] = moe_layer_traffic(tokens, moe.top_k, moe.num_experts, layout.ep,
+                                      moe.latent_dim, moe.expert_intermediate, dispatch)
+    return out
 
 
 def _human(n: float) -> str:
@@ -131,6 +145,7 @@ def _human(n: float) -> str:
 
 def format_plan(p: dict) -> str:
     c, f, m, lay = p["parameters"], p["flops_per_token"], p["memory_per_gpu"], p["layout"]
+    t = p["expert_traffic"]
     lines = [
         f"model {p['model']}",
         f"  parameters        {_human(c['total'])} total, {_human(c['active'])} active per token "
@@ -141,6 +156,10 @@ def format_plan(p: dict) -> str:
         "  layout            " + " ".join(f"{k}={v}" for k, v in lay.items()),
         "  memory per GPU    " + ", ".join(f"{k.removesuffix('_gib')} {v:.1f} GiB"
                                           for k, v in m.items()),
+        f"  expert traffic    per MoE layer and micro-batch, received per rank "
+        f"(S={t['tokens_per_rank']}, R={t['ranks']}): moonep/collective "
+        f"{t['moonep_collective']['total'] / 2**20:.1f} MiB, dynamic (balanced routing) "
+        f"{t['dynamic']['total'] / 2**20:.1f} MiB; formulas with --json",
     ]
     return "\n".join(lines)
 

@@ -1,6 +1,6 @@
 """Stable LatentMoE with Quantile Balancing (SPEC 5)."""
 
-from model.moe.balancing import QuantileBalancer, load_statistics, no_reduce
+from model.moe.balancing import QuantileBalancer, load_statistics, no_reduce, update_balancers
 from model.moe.dispatch import Dispatched, LocalDispatcher
 from model.moe.experts import GroupedExperts, grouped_mm_supported
 from model.moe.layer import LatentMoE
@@ -18,4 +18,5 @@ __all__ = [
     "load_statistics",
     "no_reduce",
     "route",
+    "update_balancers",
 ]

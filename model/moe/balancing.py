@@ -149,13 +149,15 @@ class QuantileBalancer(nn.Module):
         return -torch.nanquantile(values, level, dim=0)
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, reduced: torch.Tensor | None = None) -> None:
         """Sets the bias from this step's statistics (used from the next forward on) and clears
-        them. No-op when nothing was accumulated; keeps the old bias if no token counted."""
+        them. No-op when nothing was accumulated; keeps the old bias if no token counted.
+        `reduced`: the already reduced statistics (see `update_balancers`); default
+        reduce_fn(local_statistics())."""
         if not self._pending:
             return
         local = self.local_statistics()
-        stats = self.reduce_fn(local.clone())
+        stats = self.reduce_fn(local.clone()) if reduced is None else reduced
         histogram, load = stats[:, :-1], stats[:, -1]
         if self.estimator == "histogram":
             target = self._histogram_estimate(histogram)
@@ -185,3 +187,19 @@ class QuantileBalancer(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"estimator={self.estimator}, bins={self.bins}")
+
+
+@torch.no_grad()
+def update_balancers(balancers: list[QuantileBalancer], reduce_fn: Reduce) -> None:
+    """`update` of every layer's balancer with ONE reduction of all their statistics (SPEC 5:
+    one integer all-reduce per step across data and expert ranks, not one per layer). Layers
+    with nothing accumulated take part with their (zero) statistics, so every rank reduces the
+    same tensor size."""
+    if not balancers:
+        return
+    local = [b.local_statistics() for b in balancers]
+    reduced = reduce_fn(torch.cat([s.reshape(-1) for s in local]))
+    offset = 0
+    for balancer, stats in zip(balancers, local):
+        balancer.update(reduced[offset:offset + stats.numel()].view_as(stats))
+        offset += stats.numel()

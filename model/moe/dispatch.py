@@ -27,6 +27,11 @@ class Dispatched:
     topk_weight: torch.Tensor  # [S, k] routing weights, applied in combine
 
 
+def combine_dtype(out_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """Weighted sums of expert outputs run in fp32, or wider for a wider model dtype."""
+    return torch.promote_types(torch.promote_types(out_dtype, weight_dtype), torch.float32)
+
+
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(0) - x
 
@@ -77,5 +82,6 @@ class LocalDispatcher:
         weight = dispatched.topk_weight
         num_tokens, k = weight.shape
         per_entry = expert_out.index_select(0, dispatched.slot_of_entry)
-        per_entry = per_entry.view(num_tokens, k, -1).float()
-        return (per_entry * weight.float()[..., None]).sum(dim=1).to(expert_out.dtype)
+        per_entry = per_entry.view(num_tokens, k, -1).to(combine_dtype(expert_out.dtype,
+                                                                       weight.dtype))
+        return (per_entry * weight[..., None]).sum(dim=1).to(expert_out.dtype)

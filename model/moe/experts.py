@@ -12,6 +12,7 @@ from torch import nn
 from model.activations import situ_glu
 
 FakeQuant = Callable[[torch.Tensor], torch.Tensor]
+GroupWeights = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -36,6 +37,9 @@ class GroupedExperts(nn.Module):
     `input_fake_quant` (default None) are the QAT seams: applied to w1/w2 and to the inputs of
     both GEMMs; `input_fake_quant` must act row by row (MX blocks run along the last dimension),
     so that quantising a whole buffer equals quantising each expert's rows.
+    `group_weights` (default None: one GEMM group per expert) is the expert-parallel seam: it
+    maps the (fake-quantised) w1, w2 this module holds to the weights of every GEMM group
+    (MoonEP appends the copies of other ranks' experts it computes this micro-batch).
     backend "grouped_mm" is the static-shape hot path; "loop" is the per-expert reference (it
     reads the group offsets on the host).
     """
@@ -53,6 +57,7 @@ class GroupedExperts(nn.Module):
         self.init_std = init_std
         self.weight_fake_quant: FakeQuant | None = None
         self.input_fake_quant: FakeQuant | None = None
+        self.group_weights: GroupWeights | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate))
         self.reset_parameters()
@@ -65,6 +70,8 @@ class GroupedExperts(nn.Module):
         w1, w2 = self.w1, self.w2
         if self.weight_fake_quant is not None:
             w1, w2 = self.weight_fake_quant(w1), self.weight_fake_quant(w2)
+        if self.group_weights is not None:
+            w1, w2 = self.group_weights(w1, w2)
         return w1.to(dtype), w2.to(dtype)
 
     def _gemm_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +85,7 @@ class GroupedExperts(nn.Module):
     # torch 2.13, so fp32 runs could not be traced; each grouped GEMM is one kernel anyway.
     @torch.compiler.disable
     def forward(self, buffer: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-        """buffer [N, L] grouped by expert, group_ends [E] int32 (ends at N) -> [N, L]."""
+        """buffer [N, L] grouped by expert, group_ends [G] int32 (ends at N) -> [N, L]."""
         # Autocast does not cover grouped_mm: cast to its dtype here as a Linear would be.
         device_type = buffer.device.type
         if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):

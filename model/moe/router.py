@@ -14,8 +14,9 @@ class Routing:
     """The router's decision for S tokens over E experts, top-k."""
 
     topk_idx: torch.Tensor  # [S, k] int64, experts in order of decreasing biased score
-    topk_weight: torch.Tensor  # [S, k] fp32, s_T / sum(s_T) * router_scale; carries the gradient
-    scores: torch.Tensor  # [S, E] fp32 sigmoid scores, unbiased
+    # [S, k] fp32 (or wider), s_T / sum(s_T) * router_scale; carries the gradient
+    topk_weight: torch.Tensor
+    scores: torch.Tensor  # [S, E] fp32 (or wider) sigmoid scores, unbiased
     cutoff: torch.Tensor  # [S] fp32, the (k+1)-th largest biased score (Quantile Balancing)
 
 
@@ -35,7 +36,8 @@ def route(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int,
 
 
 class SigmoidRouter(nn.Module):
-    """s = sigmoid(W_r x) in fp32 on the full-width hidden state; weight [E, d]."""
+    """s = sigmoid(W_r x) in fp32 (fp64 in a float64 model) on the full-width hidden state;
+    weight [E, d]."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, router_scale: float = 1.0,
                  init_std: float = 0.02):
@@ -50,5 +52,6 @@ class SigmoidRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Routing:
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32, or wider for fp64 models
+        scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
         return route(scores, bias, self.top_k, self.router_scale)

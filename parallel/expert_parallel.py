@@ -1,0 +1,160 @@
+"""Expert parallelism applied to a built K3Model from outside (DESIGN 2, SPEC 10).
+
+Each rank of the expert-parallel group keeps only its home experts' weights (experts
+e // (E / R) == its EP rank), so their optimizer state and updates stay home, and every MoE
+layer gets an expert-parallel dispatcher: MoonEP (static shapes, no host sync) or the dynamic
+all-to-all baseline. Gradients: dense parameters are summed over the data-parallel ranks (every
+rank when EP is carved out of DP, as in Megatron), expert weights over the expert-data-parallel
+ranks (the ranks holding the same experts), after backward has already returned the copies'
+gradients to their owners.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.k3 import K3Model
+from parallel.moonep.dispatcher import MoonEPDispatcher
+from parallel.moonep.dynamic import DynamicDispatcher
+from parallel.moonep.transport import CollectiveTransport
+
+DISPATCHES = ("moonep", "dynamic")
+TRANSPORTS = ("collective",)
+
+
+def allreduce_gradients(params: list[torch.Tensor], group, bucket_bytes: int = 64 << 20) -> None:
+    """Sums the gradients of `params` over `group` in flat buckets. Written here rather than
+    taken from DDP / FSDP2's replicate: those reduce every parameter of a module over one mesh,
+    while expert parallelism reduces dense and expert weights over different groups."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        bucket.append(p.grad)
+        size += p.grad.numel() * p.grad.element_size()
+        if size >= bucket_bytes:
+            _reduce_bucket(bucket, group)
+            bucket, size = [], 0
+    if bucket:
+        _reduce_bucket(bucket, group)
+
+
+def _reduce_bucket(grads: list[torch.Tensor], group) -> None:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch: str = "moonep",
+                          transport: str = "collective", alignment: int = 1) -> None:
+    """Shards every MoE layer's experts over `ep_group` and installs its dispatcher (in place;
+    call before building the optimizer)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"parallel.expert_dispatch={dispatch!r} is invalid: one of {DISPATCHES}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"parallel.moonep.transport={transport!r} is invalid: one of "
+                         f"{TRANSPORTS} (the CUDA symmetric-memory transport is not built yet)")
+    ranks, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for moe in model.moe_layers():
+        experts = moe.experts
+        num_experts = experts.w1.shape[0]
+        if num_experts % ranks:
+            raise ValueError(f"model.moe.num_experts={num_experts} is not divisible by "
+                             f"parallel.expert={ranks}")
+        per_rank = num_experts // ranks
+        home = slice(rank * per_rank, (rank + 1) * per_rank)
+        experts.w1 = nn.Parameter(experts.w1.detach()[home].clone())
+        experts.w2 = nn.Parameter(experts.w2.detach()[home].clone())
+        experts.w1.expert_parallel = experts.w2.expert_parallel = True
+        experts.num_experts = per_rank
+        if dispatch == "moonep":
+            dispatcher = MoonEPDispatcher(num_experts, CollectiveTransport(ep_group), alignment)
+            experts.group_weights = dispatcher.group_weights
+        else:
+            dispatcher = DynamicDispatcher(num_experts, ep_group)
+        moe.dispatcher = dispatcher
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_parallel", False)
+
+
+def allreduce_expert_parallel_gradients(model: nn.Module, dp_group: dist.ProcessGroup | None,
+                                        edp_group: dist.ProcessGroup | None) -> None:
+    """Sums dense gradients over `dp_group` and expert gradients over `edp_group` (None: the
+    default group); call fill_missing_gradients first."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    allreduce_gradients([p for p in params if not is_expert_parameter(p)], dp_group)
+    allreduce_gradients([p for p in params if is_expert_parameter(p)], edp_group)
+
+
+def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
+                                   ep_group: dist.ProcessGroup) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole (logical) model when expert weights are
+    sharded over `ep_group`: dense gradients are the same on every rank, each rank adds its
+    home experts' squares, one all-reduce over the EP ranks gives the global norm. Call after
+    the gradient reductions; returns the total norm (a device tensor, no host sync)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    device = params[0].grad.device
+
+    def squares(group: list[torch.Tensor]) -> torch.Tensor:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return sum((p.grad.double().square().sum() for p in group), zero)
+
+    expert_sq = squares([p for p in params if is_expert_parameter(p)])
+    dist.all_reduce(expert_sq, group=ep_group)
+    total = (squares([p for p in params if not is_expert_parameter(p)]) + expert_sq).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return total.float()
+
+
+class ExpertShardedState:
+    """Shows torch.distributed.checkpoint the logical experts: in the model and optimizer state
+    dicts (get_state_dict's, keyed by parameter name) each expert tensor becomes a DTensor of
+    the full [E, ...] shape, Shard(0) over the EP ranks and replicated over the expert-data-
+    parallel ranks, so a checkpoint holds every expert once and loads into any EP layout or
+    one process. `mesh` is the 2-D (edp, ep) mesh. Both methods return new dicts (the inputs
+    may share their inner dicts with the live optimizer state); the DTensors share the local
+    tensors' storage, so a load fills the local shards and `unwrap` hands back plain tensors."""
+
+    def __init__(self, model: nn.Module, mesh):
+        self.names = {name for name, p in model.named_parameters() if is_expert_parameter(p)}
+        self.mesh = mesh
+
+    def _map(self, model_sd: dict, optim_sd: dict, fn) -> tuple[dict, dict]:
+        model_sd = {k: fn(v) if k in self.names else v for k, v in model_sd.items()}
+        if "state" not in optim_sd:  # flattened (one "state.<param>.<field>" key per tensor)
+            return model_sd, {k: fn(v) if self._flat_expert_state(k, v) else v
+                              for k, v in optim_sd.items()}
+        state = {name: ({k: fn(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                         for k, v in entry.items()} if name in self.names else entry)
+                 for name, entry in optim_sd.get("state", {}).items()}
+        return model_sd, {**optim_sd, "state": state}
+
+    def _flat_expert_state(self, key: str, value) -> bool:
+        if not (key.startswith("state.") and isinstance(value, torch.Tensor) and value.dim()):
+            return False
+        return key[len("state."):].rsplit(".", 1)[0] in self.names
+
+    def wrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        def to_dtensor(t: torch.Tensor):
+            return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)], run_check=False)
+
+        return self._map(model_sd, optim_sd, to_dtensor)
+
+    def unwrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        return self._map(model_sd, optim_sd, lambda t: t.to_local())

@@ -1,0 +1,53 @@
+"""Bytes one rank receives per MoE layer and micro-batch, forward and backward, per expert
+dispatch and transport: the formulas `k3-plan` prints and the benchmark reports.
+
+S tokens per rank, K experts per token, E experts on R ranks, latent width L, expert width I,
+a = bytes per activation element (2 for bf16), one expert's weights P = 3 * L * I elements.
+Collectives are counted as ring collectives (an all-gather or reduce-scatter of R blocks of n
+bytes receives (R - 1) * n per rank).
+"""
+
+from __future__ import annotations
+
+INT64, FP32 = 8, 4
+
+
+def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent: int,
+                      intermediate: int, dispatch: str = "moonep",
+                      activation_bytes: int = 2) -> dict[str, dict]:
+    """{"forward": {term: bytes}, "backward": {term: bytes}, "formula": {term: text}}."""
+    s, k, e, r, lat, a = tokens, top_k, experts, ranks, latent, activation_bytes
+    per_expert = 3 * latent * intermediate
+    others = r - 1
+    if dispatch == "moonep":  # collective transport
+        forward = {
+            "routing_all_gather": others * (e + s * k) * INT64 + others * s * k * FP32,
+            "token_all_gather": others * s * lat * a,
+            "combine_reduce_scatter": others * s * lat * FP32,
+            "copy_weights_all_gather": others * (e // r) * per_expert * FP32,
+        }
+        backward = {
+            "token_grad_reduce_scatter": others * s * lat * a,
+            "combine_grad_all_gather": others * s * lat * FP32,
+            "copy_grad_reduce_scatter": others * (e // r) * per_expert * FP32,
+        }
+        formula = {
+            "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
+            "token_all_gather": "(R-1)*S*L*a",
+            "combine_reduce_scatter": "(R-1)*S*L*4",
+            "copy_weights_all_gather": "(R-1)*(E/R)*3*L*I*4",
+            "backward": "(R-1)*S*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
+        }
+    elif dispatch == "dynamic":  # all-to-all; uniform routing, worst case in the formula
+        moved = s * k * others // r
+        forward = {"split_sizes": others * INT64, "dispatch_all_to_all": moved * lat * a,
+                   "combine_all_to_all": moved * lat * a}
+        backward = {"dispatch_grad_all_to_all": moved * lat * a,
+                    "combine_grad_all_to_all": moved * lat * a}
+        formula = {"dispatch_all_to_all": "S*K*(R-1)/R*L*a balanced, up to (R-1)*S*K*L*a "
+                                          "when every entry goes to one rank",
+                   "combine_all_to_all": "the same, back", "backward": "the same, both ways"}
+    else:
+        raise ValueError(f"dispatch={dispatch!r} is invalid: 'moonep' or 'dynamic'")
+    return {"forward": forward, "backward": backward, "formula": formula,
+            "total": sum(forward.values()) + sum(backward.values())}

@@ -1,0 +1,190 @@
+"""Expert parallelism on k3_tiny: 3 AdamW steps on gloo ranks equal one process on the same
+global batch (losses, every expert's gradient, home + copied contributions, Quantile Balancing
+biases, parameters), with MoonEP and with the dynamic baseline, fp32 and MXFP4 QAT (SPEC 10)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from model.batch import K3Batch
+from model.config import k3_tiny
+from model.k3 import K3Model
+from model.moe import update_balancers
+from parallel.data_parallel import fill_missing_gradients
+from parallel.expert_parallel import (
+    ExpertShardedState,
+    allreduce_expert_parallel_gradients,
+    apply_expert_parallel,
+    is_expert_parameter,
+)
+from tests.moonep_helpers import run_world
+from tests.tolerances import assert_close_rms
+from train.checkpoint import Checkpointer
+
+STEPS, ROWS, SEQ = 3, 4, 32  # global batch: 4 rows of 32 tokens per step
+
+
+def global_batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(1, 2048, (ROWS, SEQ + 1), generator=gen) for _ in range(STEPS)]
+
+
+def batch_of(rows: torch.Tensor) -> K3Batch:
+    cu = torch.arange(rows.shape[0] + 1) * SEQ
+    return K3Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), cu)
+
+
+def build(qat: bool) -> K3Model:
+    """k3_tiny in float64: AdamW's first steps are sign-like, so in fp32 the gradient components
+    below the round-off of a differently ordered sum flip their update and the comparison
+    measures noise; in float64 it measures the layout. (The router still scores in fp32.)"""
+    torch.manual_seed(0)
+    model = K3Model(k3_tiny()).double()
+    if qat:
+        from train.precision.qat import apply_mx_qat
+
+        apply_mx_qat(model)
+    return model
+
+
+def adamw(model: K3Model) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def train(model: K3Model, rows_of_step, reduce_grads, reduce_stats, opt=None) -> list[dict]:
+    """AdamW steps as k3-train's defaults take them (optim/adamw.yaml: peak lr 3e-3, linear
+    warmup over 10 steps, betas 0.9/0.95, decay 0.1); per step the loss, each MoE layer's
+    expert gradients and biases."""
+    opt = opt or adamw(model)
+    balancers = [m.balancer for m in model.moe_layers()]
+    records = []
+    for step, rows in enumerate(rows_of_step):
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 * (step + 1) / 10
+        out = model(batch_of(rows))
+        loss = out.loss_sum / (ROWS * SEQ)
+        loss.backward()
+        fill_missing_gradients(model)
+        reduce_grads(model)
+        opt.step()
+        update_balancers(balancers, reduce_stats)
+        records.append({
+            "loss": reduce_stats(loss.detach().clone()),
+            "grads": [(m.experts.w1.grad.clone(), m.experts.w2.grad.clone())
+                      for m in model.moe_layers()],
+            "bias": [b.bias.clone() for b in balancers]})
+        opt.zero_grad(set_to_none=True)
+    return records
+
+
+def _sum_over(group):
+    def reduce(t):
+        dist.all_reduce(t, group=group)
+        return t
+    return reduce
+
+
+def check_layout(name, ep_group, dp_group, edp_group, dp_ranks, dispatch, qat):
+    """One layout: this rank's rows are its position among dp_ranks (each a distinct slice)."""
+    rank = dist.get_rank()
+    position, width = dp_ranks.index(rank), len(dp_ranks)
+    rows_per_rank = ROWS // width
+    batches = global_batches()
+    ref_model = build(qat)
+    ref = train(ref_model, batches, lambda m: None, lambda t: t)
+    model = build(qat)
+    apply_expert_parallel(model, ep_group, dispatch)
+    mine = [b[position * rows_per_rank:(position + 1) * rows_per_rank] for b in batches]
+    got = train(model, mine,
+                lambda m: allreduce_expert_parallel_gradients(m, dp_group, edp_group),
+                _sum_over(dp_group))
+    per_rank = k3_tiny().moe.num_experts // dist.get_world_size(ep_group)
+    ep_rank = dist.get_rank(ep_group)
+    home = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+    tol = 1e-5
+    for step, (r, g) in enumerate(zip(ref, got)):
+        what = f"{name}, step {step + 1}"
+        assert_close_rms(r["loss"], g["loss"], tol, f"loss ({what})")
+        for layer, (rg, gg) in enumerate(zip(r["grads"], g["grads"])):
+            for w_ref, w in zip(rg, gg):
+                assert_close_rms(w_ref[home], w, tol, f"expert grad layer {layer} ({what})")
+        for rb, gb in zip(r["bias"], g["bias"]):
+            assert_close_rms(rb, gb, tol, f"QB bias ({what})")
+    ref_params = dict(ref_model.named_parameters())
+    for pname, p in model.named_parameters():
+        expected = ref_params[pname]
+        if p.shape != expected.shape:  # sharded experts: this rank's home slice
+            expected = expected[home]
+        assert_close_rms(expected, p, tol, f"{pname} after {STEPS} steps ({name})")
+
+
+def logical(t: torch.Tensor, sharded: bool, ep_group) -> torch.Tensor:
+    """The full [E, ...] tensor of a sharded expert tensor (EP ranks' shards in rank order)."""
+    if not sharded:
+        return t.detach()
+    out = t.new_empty(t.shape[0] * dist.get_world_size(ep_group), *t.shape[1:])
+    dist.all_gather_into_tensor(out, t.detach().contiguous(), group=ep_group)
+    return out
+
+
+def check_checkpoint_reshards(root: str, pair, stride, everyone) -> None:
+    """Saved under EP2 x DP2 after one step; loaded into EP4 and into whole (unsharded) models:
+    every parameter and AdamW moment bit-equal to the saved logical tensors."""
+    rank = dist.get_rank()
+    batches = global_batches()[:1]
+    model = build(False)
+    apply_expert_parallel(model, pair)
+    opt = adamw(model)
+    train(model, [b[rank:rank + 1] for b in batches],
+          lambda m: allreduce_expert_parallel_gradients(m, everyone, stride),
+          _sum_over(everyone), opt)
+    mesh_2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    saver = Checkpointer(root, 1, rank, 4, sharded=ExpertShardedState(model, mesh_2x2))
+    path = saver.save(1, model, [opt], {})
+    saved = {}
+    for name, p in model.named_parameters():
+        shard = is_expert_parameter(p)
+        saved[name] = [logical(t, shard, pair)
+                       for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+    mesh_1x4 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("edp", "ep"))
+    for layout, mesh in (("EP4", mesh_1x4), ("whole", None)):
+        loaded = build(False)
+        if mesh is not None:
+            apply_expert_parallel(loaded, everyone)
+        loaded_opt = adamw(loaded)
+        sharded = None if mesh is None else ExpertShardedState(loaded, mesh)
+        assert Checkpointer(root, 1, rank, 4, sharded).load(path, loaded, [loaded_opt],
+                                                            lambda s: None) == 1
+        for name, p in loaded.named_parameters():
+            got = (p, loaded_opt.state[p]["exp_avg"], loaded_opt.state[p]["exp_avg_sq"])
+            for what, expected, value in zip(("weight", "exp_avg", "exp_avg_sq"), saved[name],
+                                             got):
+                value = logical(value, mesh is not None and is_expert_parameter(p), everyone)
+                assert torch.equal(expected, value), (layout, name, what)
+
+
+def _world_of_four(rank: int, world: int, root: str) -> None:
+    assert world == 4
+    everyone = dist.group.WORLD
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    single = [dist.new_group([r]) for r in range(4)]
+    pair, stride = pairs[rank // 2], strided[rank % 2]
+    for dispatch in ("moonep", "dynamic"):
+        check_layout(f"EP4 {dispatch}", everyone, everyone, single[rank], [0, 1, 2, 3],
+                     dispatch, qat=False)
+    # EP2 x DP2: EP inside consecutive pairs, expert-data-parallel across them.
+    check_layout("EP2 x DP2", pair, everyone, stride, [0, 1, 2, 3], "moonep", qat=False)
+    # EP2 alone, each pair its own 2-rank job, without and with MXFP4 QAT.
+    pair_ranks = [2 * (rank // 2), 2 * (rank // 2) + 1]
+    check_layout("EP2", pair, pair, single[rank], pair_ranks, "moonep", qat=False)
+    check_layout("EP2 mxfp4_qat", pair, pair, single[rank], pair_ranks, "moonep", qat=True)
+    check_layout("EP4 x mxfp4_qat", everyone, everyone, single[rank], [0, 1, 2, 3], "moonep",
+                 qat=True)
+    check_checkpoint_reshards(root, pair, stride, everyone)
+
+
+@pytest.mark.timeout(600)
+def test_expert_parallel_k3_tiny_matches_one_process(tmp_path):
+    run_world(4, _world_of_four, str(tmp_path / "checkpoints"))
