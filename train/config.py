@@ -34,6 +34,8 @@ class OptimConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0  # <= 0 disables
+    # none | cpu: the AdamW groups' state on the host, stepped by DeepSpeed's DeepSpeedCPUAdam
+    offload: str = "none"
 
 
 @dataclass
@@ -184,6 +186,13 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     if not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", o.betas, "each must be in [0, 1)")
+    if o.offload not in ("none", "cpu"):
+        _fail("optim.offload", o.offload, "must be one of ['cpu', 'none']")
+    if o.offload == "cpu" and (cfg.parallel.tensor > 1 or cfg.parallel.data_shard == "full"
+                               or cfg.device == "cuda"):
+        _fail("optim.offload", o.offload,
+              "cpu needs plain host parameters: parallel.tensor=1, parallel.data_shard none or "
+              "optimizer, device cpu (sharded DTensor and GPU parameters are not offloaded yet)")
     p = cfg.parallel
     heads = {"model.kda.num_heads": cfg.model.kda.num_heads,
              "model.mla.num_heads": cfg.model.mla.num_heads}
