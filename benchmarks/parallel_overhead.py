@@ -10,9 +10,9 @@ Analytic bytes per step (fp32, N parameters, N_root of them in the root FSDP uni
     full       all_gather of every unit in forward and of every non-root unit again in
                backward (they reshard after forward): 4N + 4(N - N_root); reduce_scatter: 4N
     QB counts  each MoE layer's int64 histogram [E, bins], all-reduced once per step
-The loss-token count, gradient norms and max logits add a few hundred bytes to all_reduce. Tensor-parallel
-traffic goes through DTensor's functional collectives, which this wrapper does not see, so TP
-layouts are not in this table.
+The loss-token count, gradient norms and max logits add a few hundred bytes to all_reduce.
+Tensor-parallel traffic goes through DTensor's functional collectives, which this wrapper does
+not see, so TP layouts are not in this table.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def _run(cfg, topology, counts) -> dict:
         train_step(model, optimizers, [global_batch(step, rank * 4 // dp, 4 // dp)],
                    torch.device("cpu"), precision, parallel, cfg.optim)
         times.append(time.perf_counter() - start)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"step_s": sum(times[1:]) / (STEPS - 1), "bytes": dict(counts), "params": n,
-            "root_params": root, "qb_bytes": qb, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            / 1024}
+            "root_params": root, "qb_bytes": qb, "peak_rss_mb": peak_mb}
 
 
 def _world(rank: int, world: int, modes: list[str]) -> dict:
