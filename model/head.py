@@ -85,7 +85,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     at a time; hidden [..., d], weight [V, d], labels [...]. Equal to
     `full_logits_loss(F.linear(hidden, weight), labels)`, with its gradients."""
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):  # the dtype F.linear would compute in
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # The dtype F.linear would compute in; backward then runs in it too.
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,

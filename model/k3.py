@@ -21,6 +21,14 @@ from .norms import RMSNorm
 from .vision import MoonViT
 
 
+def _forked_rng():
+    """Forks the CPU generator and, when building on an accelerator, that device's."""
+    device = torch.get_default_device()
+    if device.type in ("cpu", "meta"):
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: K3Config, index: int):
         super().__init__()
@@ -77,7 +85,7 @@ class K3Model(nn.Module):
         self.cfg = cfg
         # The constructors' own inits are overwritten by init_weights: let them draw from a
         # forked RNG, so that init_weights alone decides the values (eager build == meta build).
-        with torch.random.fork_rng():
+        with _forked_rng():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i)
                                          for i in range(cfg.num_layers)})

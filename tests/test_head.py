@@ -73,3 +73,43 @@ def test_model_loss_and_gradients_chunked_equal_full_logits():
     out = chunked(batch, return_logits=True)
     assert out.logits.shape == (2, 64, 2048) and out.logits.dtype == torch.float32
     assert_close_rms(outputs["full"][0], out.loss_sum.detach(), 1e-6, "loss with logits")
+
+
+@pytest.mark.timeout(120)
+def test_full_logits_path_takes_vocab_sharded_dtensor_logits_under_loss_parallel():
+    """The seam vocabulary-parallel cross entropy uses: head.output colwise (logits sharded on
+    the vocabulary dim, kept as DTensors), chunk_tokens = 0, loss under loss_parallel. One gloo
+    rank: the DTensor dispatch path itself, against the chunked loss of a plain model."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    from tests.train_helpers import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        cfg = replace(k3_tiny(), vision=None)
+        plain = K3Model(cfg)
+        sharded = K3Model(cfg)
+        sharded.load_state_dict(plain.state_dict())
+        parallelize_module(sharded.head, init_device_mesh("cpu", (1,)), {
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        sharded.head.chunk_tokens = 0
+        tokens = torch.randint(5, cfg.vocab_size, (2, 64))
+        batch = K3Batch(tokens, tokens.roll(-1, 1), cu_seqlens_from_lengths([[30, 34], [64]], 64))
+        ref = plain(batch).loss_sum
+        ref.backward()
+        with loss_parallel():
+            loss = sharded(batch).loss_sum
+            loss.backward()
+        assert_close_rms(ref, loss.full_tensor(), 1e-6, "loss")
+        assert_close_rms(plain.head.output.weight.grad,
+                         sharded.head.output.weight.grad.full_tensor(), 1e-6, "head gradient")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

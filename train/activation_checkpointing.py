@@ -56,7 +56,12 @@ def _checkpointed(module: nn.Module, autocast) -> None:
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
+    forward.checkpointed = True
     module.forward = forward
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return getattr(module.forward, "checkpointed", False)
 
 
 def apply_activation_checkpointing(model: K3Model,
