@@ -11,8 +11,9 @@ not fill one is dropped); micro-batch m of DP rank r takes rows [(m*W + r)*B, (m
 of it, so ranks see disjoint samples and every split of a step into ranks and micro-batches
 covers the same rows. Iteration is endless.
 
-State. state_dict() is the number of batches this rank has taken plus what they depend on;
-load_state_dict() continues with exactly the batches an uninterrupted run would have produced.
+State. state_dict() is the number of optimizer steps taken plus what the rows depend on (the
+same on every rank); load_state_dict() continues with exactly the batches an uninterrupted run
+would have produced, in any data-parallel layout with the same global batch.
 
 Batch layout (model/batch.py). tokens/labels [B, T]; labels are the next token inside a
 document piece and -100 on the last position of each piece, on padding and where the target is
@@ -43,7 +44,7 @@ from .shards import ShardReader
 from .tokenizer import IMAGE_ID, PAD_ID
 
 IGNORE = -100
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the position is global (optimizer steps), independent of the DP layout
 SPLITS = {"train": "sources", "validation": "validation"}  # split -> its manifest key
 
 
@@ -260,18 +261,21 @@ class K3DataLoader:
         return next(self._it)
 
     def state_dict(self) -> dict:
+        """The position in optimizer steps and what the rows depend on: the same on every rank
+        and for every split of the global batch into ranks and micro-batches."""
         s = self.source
-        return {"version": STATE_VERSION, "step": self.step, "seed": s.seed,
-                "seq_len": s.seq_len, "micro_batch_size": s.batch, "dp_rank": s.rank,
-                "dp_world_size": s.world, "grad_accum": s.grad_accum,
-                "max_docs_per_row": s.slots,
-                "fingerprint": s.fingerprint}
+        if self.step % s.grad_accum:
+            raise RuntimeError(f"loader state asked for in the middle of an optimizer step "
+                               f"({self.step} micro-batches of {s.grad_accum} per step)")
+        return {"version": STATE_VERSION, "optimizer_step": self.step // s.grad_accum,
+                "seed": s.seed, "seq_len": s.seq_len, "global_batch": s.global_batch,
+                "max_docs_per_row": s.slots, "fingerprint": s.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         for key in mine:
-            if key != "step" and state.get(key) != mine[key]:
+            if key != "optimizer_step" and state.get(key) != mine[key]:
                 raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader "
                                  f"{mine[key]!r}: the batches would not continue exactly")
-        self.step = int(state["step"])
+        self.step = int(state["optimizer_step"]) * self.source.grad_accum
         self._it = None

@@ -15,6 +15,7 @@ Per module kind:
   its slice of the gate rows and of the up rows), the down projection row-parallel.
 - MoE: replicated on the tensor-parallel ranks (expert parallelism shards experts; a separate
   plan), computed on the gathered tokens.
+- Vision tower: replicated, its tokens merged into the gathered embedding.
 - Embedding: vocab-parallel; LM head: column-parallel over the vocab with `loss_parallel`, so the
   full fp32 logits of the whole vocab never exist on one rank.
 
@@ -151,9 +152,19 @@ def mlp_shards() -> dict[str, Placement]:
     return {"gate_up.weight": _StridedShard(0, split_factor=2), "down.weight": Shard(1)}
 
 
-def _refuse_vision(module, args):
-    raise NotImplementedError("image inputs under parallel.tensor > 1 are not supported yet: "
-                              "train vision batches with parallel.tensor=1")
+def _embed_inputs(model: K3Model, mesh: DeviceMesh, act: Placement, batch):
+    """K3Model.embed_inputs with a vocab-parallel embedding: the vision tower is replicated (it
+    runs the same on every tensor-parallel rank, so its gradients need no reduction) and its
+    tokens are written into the gathered embedding, which then returns to the activation
+    layout."""
+    x = model.embed(batch.tokens)
+    if batch.vision is None or model.vision is None:
+        return x
+    whole = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Replicate()])
+    b, t, d = whole.shape
+    vis = model.vision(batch.vision.patches, batch.vision.grid_thw).to(whole.dtype)
+    flat = whole.reshape(b * t, d).index_copy(0, batch.vision.token_positions, vis)
+    return DTensor.from_local(flat.view(b, t, d), mesh, [Replicate()]).redistribute(mesh, [act])
 
 
 def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -188,8 +199,7 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: b
     model.head.chunk_tokens = 0  # full (vocab-sharded) logits under loss_parallel
     if not sequence_parallel:
         model.embed.register_forward_hook(lambda module, args, out: _AllReduceGrad.apply(out))
-    if model.vision is not None:
-        model.vision.register_forward_pre_hook(_refuse_vision)
+    model.embed_inputs = functools.partial(_embed_inputs, model, mesh, act)
     model.register_forward_hook(_local_loss)
 
 

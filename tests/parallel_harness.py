@@ -64,10 +64,14 @@ class Record:
     muon: list[str] = field(default_factory=list)  # parameters Muon updates
 
 
-def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int = 1) -> Record:
-    """`steps` optimizer steps on this rank's share of each global batch, in `micro_batches`
-    accumulated micro-batches (the single-process reference of a data-parallel layout takes
-    the ranks' shares one after the other: the same sums, in the same order where it can)."""
+def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int = 1,
+              resume: Path | None = None, save: Path | None = None) -> Record:
+    """Optimizer steps up to `steps` on this rank's share of each global batch, in
+    `micro_batches` accumulated micro-batches (the single-process reference of a data-parallel
+    layout takes the ranks' shares one after the other: the same sums, in the same order where
+    it can). `resume`: start from the latest checkpoint under that root; `save`: checkpoint
+    the last step under that root."""
+    from train.checkpoint import Checkpointer
     from train.loop import build_parallel_model, train_step
 
     torch.manual_seed(cfg.seed)
@@ -79,17 +83,25 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
     per_rank = GLOBAL_ROWS // dp
     per_micro = per_rank // micro_batches
     record = Record()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    start = 0
+    if resume is not None:
+        ckpt = Checkpointer(resume, keep_last=3, rank=rank, world_size=world)
+        start = ckpt.load(ckpt.latest(), model, optimizers, lambda state: None)
 
     def keep_grads(m):
         record.grads = {n: full(p.grad) for n, p in m.named_parameters()}
 
-    for step in range(steps):
+    for step in range(start, steps):
         batches = [global_batch(step, dp_rank * per_rank + m * per_micro, per_micro)
                    for m in range(micro_batches)]
         result = train_step(model, optimizers, batches, torch.device("cpu"), precision, parallel,
                             cfg.optim, on_gradients=keep_grads if step == 0 else None)
         assert result.finite
         record.losses.append(float(result.loss))
+    if save is not None:
+        Checkpointer(save, keep_last=3, rank=rank, world_size=world).save(
+            steps, model, optimizers, {"loader": {"optimizer_step": steps}})
     record.params = {n: full(p) for n, p in model.named_parameters()}
     record.muon = sorted(n for n, p in model.named_parameters()
                          if any(type(o).__name__ == "Muon" and p in o.state for o in optimizers))
@@ -140,6 +152,7 @@ def _worker(rank: int, world: int, port: int, fn, out: str, args) -> None:
 
 def spawn(fn, world: int, tmp_path: Path, *args):
     """Runs fn(rank, world, *args) on `world` gloo ranks; returns rank 0's JSON result."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "result.json"
     try:
         mp.spawn(_worker, args=(world, free_port(), fn, str(out), args), nprocs=world)

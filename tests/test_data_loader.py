@@ -56,7 +56,39 @@ def test_resume_continues_exactly_across_an_epoch_boundary(manifest):
     resumed.load_state_dict(state)
     for i in range(12, 20):
         assert_same_batch(next(resumed), expected[i])
-    assert resumed.state_dict()["step"] == 20
+    assert resumed.state_dict()["optimizer_step"] == 20
+
+
+def test_resume_in_another_data_parallel_layout_gives_the_same_rows(manifest):
+    """Saved by 2 ranks x 2 micro-batches after 3 steps, resumed by 1 rank x 4 and 4 ranks x 1:
+    every later step covers the rows of the run that never moved (the state is global)."""
+    def loaders(world, accum):
+        return [K3DataLoader(manifest, T, 1, dp_rank=r, dp_world_size=world, seed=4,
+                             grad_accum=accum) for r in range(world)]
+
+    def rows(group, steps):
+        """The sorted rows of each of the next `steps` optimizer steps over all ranks."""
+        out = []
+        for _ in range(steps):
+            step = []
+            for loader in group:
+                for _ in range(loader.source.grad_accum):
+                    step += loader.source.rows_for_step(loader.step).tolist()
+                    next(loader)
+            out.append(sorted(step))
+        return out
+
+    straight = loaders(2, 2)
+    expected = rows(straight, 6)[3:]
+    saved = loaders(2, 2)
+    rows(saved, 3)
+    states = [loader.state_dict() for loader in saved]
+    assert states[0] == states[1]  # the same on every rank
+    for world, accum in ((1, 4), (4, 1)):
+        resumed = loaders(world, accum)
+        for loader in resumed:
+            loader.load_state_dict(states[0])
+        assert rows(resumed, 3) == expected
 
 
 def test_worker_processes_give_the_same_batches_and_resume(manifest):

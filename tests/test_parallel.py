@@ -61,6 +61,9 @@ def _layouts_world(rank: int, world: int, layouts: dict, refs_path: str) -> dict
 def test_layouts_match_one_process(tmp_path, references, world, layouts):
     errors = spawn(_layouts_world, world, tmp_path, layouts, str(references))
     assert sorted(errors) == sorted(f"{n}/{o}" for n in layouts for o in OPTIMIZERS)
+    for name, e in sorted(errors.items()):  # shown with pytest -s
+        print(f"{name:<20} loss {e['loss']:.1e}  grad {e['grad']:.1e}  muon params "
+              f"{e.get('muon_param', 0.0):.1e}  adamw params {e['adamw_param']:.1e}")
     bad = {k: v for k, v in errors.items()
            if max(v["loss"], v["grad"], v.get("muon_param", 0.0)) > TOL
            or v["adamw_param"] > ADAMW_STEP3_TOL}

@@ -1,6 +1,12 @@
-"""Crash-safe checkpoints: sharded model/optimizer state via torch.distributed.checkpoint (so a
-later run with another layout can reshard it), per-rank state (loader position, RNG) as small
-files, published by an atomic rename and a `latest` pointer.
+"""Crash-safe checkpoints: sharded model/optimizer state via torch.distributed.checkpoint, per-rank
+state (loader position, RNG) as small files, published by an atomic rename and a `latest` pointer.
+
+Layout-free: model and optimizer state are saved under logical names with full shapes
+(`get_model_state_dict` / `get_optimizer_state_dict`, the optimizer flattened to one entry per
+parameter, so ZeRO-1 ranks that own different parameters and FSDP/TP shards all map onto the same
+keys), and DCP reshards them into whatever layout loads them. The loader's position is global
+(optimizer steps), the same on every rank, so a run may resume at another world size, data- or
+tensor-parallel size: a rank without a file of its own reads rank 0's.
 
 Layout under <root>:
     step_00000100/           a complete checkpoint (has COMPLETE)
@@ -27,12 +33,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .checkpoint_integrity import check, safe_dcp_load, write_checksums
 from .rank_state import rank_file, read_rank_state, write_rank_state
 
 COMPLETE = "COMPLETE"
+# One optimizer entry per parameter name: layouts that split parameters over optimizers
+# differently (ZeRO-1 ownership, Muon + AdamW) load each other's state.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _barrier() -> None:
@@ -63,6 +74,33 @@ def _fault_injection(step: int) -> None:
     but before the checkpoint is published (the crash-safety test)."""
     if os.environ.get("K3_FAULT_KILL_DURING_SAVE") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _strided_tp(value) -> bool:
+    """A DTensor with a strided shard on the tensor-parallel dimension (the fused gate/up
+    projection): DCP's planner cannot describe its chunks, so it is saved whole."""
+    if not isinstance(value, DTensor):
+        return False
+    names = value.device_mesh.mesh_dim_names or ()
+    return any(isinstance(pl, _StridedShard) and i < len(names) and names[i] == "tp"
+               for i, pl in enumerate(value.placements))
+
+
+def _whole_for_save(sd: dict) -> dict:
+    return {k: v.full_tensor() if _strided_tp(v) else v for k, v in sd.items()}
+
+
+def _whole_for_load(sd: dict) -> tuple[dict, dict]:
+    """(state with whole placeholders for strided tensors, their DTensors to refill)."""
+    strided = {k: v for k, v in sd.items() if _strided_tp(v)}
+    return {k: torch.empty(v.shape, dtype=v.dtype) if k in strided else v
+            for k, v in sd.items()}, strided
+
+
+def _reshard_loaded(sd: dict, strided: dict) -> dict:
+    for k, like in strided.items():
+        sd[k] = distribute_tensor(sd[k], like.device_mesh, like.placements, src_data_rank=None)
+    return sd
 
 
 class Checkpointer:
@@ -109,10 +147,11 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizers)
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
         if self.sharded is not None:
             model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        dcp.save({"model": _whole_for_save(model_sd), "optim": _whole_for_save(optim_sd)},
+                 checkpoint_id=str(partial))
         write_rank_state(rank_file(partial, self.rank), rank_state)
         _fault_injection(step)
         _barrier()
@@ -142,19 +181,21 @@ class Checkpointer:
         if not verified:
             check(path, self.rank, self.world_size)
         meta = json.loads((path / COMPLETE).read_text())
-        model_sd, optim_sd = get_state_dict(model, optimizers)
+        # get_state_dict creates the optimizer state (a zero step) that DCP loads into.
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
         if self.sharded is not None:
             model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
+        (model_sd, model_strided), (optim_sd, optim_strided) = (_whole_for_load(model_sd),
+                                                                _whole_for_load(optim_sd))
         state = {"model": model_sd, "optim": optim_sd}
         safe_dcp_load(state, path)
+        model_sd = _reshard_loaded(state["model"], model_strided)
+        optim_sd = _reshard_loaded(state["optim"], optim_strided)
         if self.sharded is not None:
-            state["model"], state["optim"] = self.sharded.unwrap(state["model"], state["optim"])
-        set_state_dict(model, optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        if meta["world_size"] == self.world_size:
-            restore_rank_state(read_rank_state(rank_file(path, self.rank)))
-        else:
-            raise RuntimeError(
-                f"checkpoint {path} was written by {meta['world_size']} ranks, this run has "
-                f"{self.world_size}: resharding the loader state is not supported yet")
+            model_sd, optim_sd = self.sharded.unwrap(model_sd, optim_sd)
+        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=OPTIONS)
+        own = rank_file(path, self.rank)
+        # Saved by fewer ranks: the side state (global loader position, RNG) is the same on all.
+        restore_rank_state(read_rank_state(own if own.is_file() else rank_file(path, 0)))
         return int(meta["step"])

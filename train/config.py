@@ -37,6 +37,8 @@ class OptimConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0  # <= 0 disables
+    # none | cpu: the AdamW groups' state on the host, stepped by DeepSpeed's DeepSpeedCPUAdam
+    offload: str = "none"
 
 
 @dataclass
@@ -198,6 +200,13 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     check_betas(o.betas)
     if not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", o.betas, "each must be in [0, 1)")
+    if o.offload not in ("none", "cpu"):
+        _fail("optim.offload", o.offload, "must be one of ['cpu', 'none']")
+    if o.offload == "cpu" and (cfg.parallel.tensor > 1 or cfg.parallel.data_shard == "full"
+                               or cfg.device == "cuda"):
+        _fail("optim.offload", o.offload,
+              "cpu needs plain host parameters: parallel.tensor=1, parallel.data_shard none or "
+              "optimizer, device cpu (sharded DTensor and GPU parameters are not offloaded yet)")
     topo = Topology.from_config(cfg.parallel, world_size, cfg.model)
     shards = topo.cp * (topo.tp if topo.sequence_parallel else 1)
     if cfg.stage.seq_len % shards:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +52,20 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def inject_rank_failure(step: int, rank: int) -> None:
+    """K3_FAULT_RANK_FAILURE=<rank>:<step>:kill|hang: that rank dies by SIGKILL, or stops
+    answering, as step <step> starts while the others go on into its collectives (the
+    failing-rank tests)."""
+    spec = os.environ.get("K3_FAULT_RANK_FAILURE")
+    if not spec:
+        return
+    at_rank, at_step, kind = spec.split(":")
+    if int(at_rank) == rank and int(at_step) == step:
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(1e9)
 
 
 def write_marker(path: Path, step: int, env: DistEnv) -> None:
@@ -181,7 +197,9 @@ def train(cfg: TrainConfig) -> int:
                        warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
                        min_lr_ratio=cfg.optim.min_lr_ratio)
             set_lr(optimizers, lr)
-            result = train_step(model, optimizers, [next(batches) for _ in range(accum)],
+            micro_batches = [next(batches) for _ in range(accum)]
+            inject_rank_failure(step, env.rank)
+            result = train_step(model, optimizers, micro_batches,
                                 env.device, precision, parallel, cfg.optim)
             loss, grad_norm, finite = result.loss, result.grad_norm, result.finite
             nonfinite_in_a_row = 0 if finite else nonfinite_in_a_row + 1

@@ -77,6 +77,18 @@ def _muon_groups(model: nn.Module, roles, cfg) -> list[dict]:
             for h, params in sorted(by_heads.items())]
 
 
+def _cpu_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.Optimizer:
+    """optim.offload=cpu: DeepSpeed's vectorised host AdamW (decoupled weight decay, like
+    torch.optim.AdamW), its state in host memory. DeepSpeed builds its CPU op on first use
+    (g++ and ninja); DS_ACCELERATOR=cpu when no GPU is in the way."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
+
+
 def build_optimizer(model: nn.Module, cfg, owns=None, exchange=None
                     ) -> list[torch.optim.Optimizer]:
     """AdamW alone (optim.name=adamw), or Muon for hidden matrices plus AdamW for the rest
@@ -89,9 +101,10 @@ def build_optimizer(model: nn.Module, cfg, owns=None, exchange=None
     if owns is not None:
         roles = {role: [(n, p) for n, p in named if owns(n)] for role, named in roles.items()}
     adamw_kwargs = dict(betas=tuple(cfg.betas), eps=cfg.eps)
+    adamw = _cpu_adamw if cfg.offload == "cpu" else torch.optim.AdamW
     if cfg.name == "adamw":
         groups = _adamw_groups(roles, cfg, 1.0, True)
-        return [torch.optim.AdamW(groups, lr=cfg.lr, **adamw_kwargs)] if groups else []
+        return [adamw(groups, lr=cfg.lr, **adamw_kwargs)] if groups else []
     if cfg.name == "muon":
         from .muon import Muon
 
@@ -104,7 +117,7 @@ def build_optimizer(model: nn.Module, cfg, owns=None, exchange=None
                                    nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
                                    ns_steps=cfg.ns_steps, exchange=exchange))
         if adamw_groups:
-            optimizers.append(torch.optim.AdamW(adamw_groups, lr=adamw_lr, **adamw_kwargs))
+            optimizers.append(adamw(adamw_groups, lr=adamw_lr, **adamw_kwargs))
         return optimizers
     raise ValueError(f"optim.name={cfg.name!r}: must be one of ['adamw', 'muon']")
 

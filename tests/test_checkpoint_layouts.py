@@ -1,0 +1,48 @@
+"""Checkpoints move between layouts: saved by 4 FSDP2 ranks, resumed by 4 ZeRO-1 ranks, by 2
+data-parallel ranks (another DP size) and by 2 tensor-parallel ranks, whose checkpoint one
+process resumes; every resumed step's loss equals the run that never moved (Muon + AdamW state,
+QK-Clip, Quantile Balancing buffers all carried)."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel.topology import Topology
+from tests.parallel_harness import layout, run_steps, spawn, tiny_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TOL = 1e-5
+STEPS = 4
+
+
+def _world(rank: int, world: int, plan: list) -> dict:
+    """plan: (name, parallel fields, steps, resume root, save root) run one after another."""
+    losses = {}
+    for name, parallel, steps, resume, save in plan:
+        cfg = layout(tiny_config("muon"), **parallel)
+        topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
+        losses[name] = run_steps(cfg, topology, steps, resume=resume, save=save).losses
+        topology.destroy()
+    return losses
+
+
+def test_resume_at_other_layouts_continues_the_same_losses(tmp_path):
+    straight = run_steps(tiny_config("muon"), None, STEPS).losses
+    fsdp, tp = tmp_path / "fsdp4", tmp_path / "tp2"
+    four = spawn(_world, 4, tmp_path / "w4", [
+        ("fsdp4", dict(data=4, data_shard="full"), 2, None, fsdp),
+        ("zero4", dict(data=4, data_shard="optimizer"), 3, fsdp, None)])
+    two = spawn(_world, 2, tmp_path / "w2", [
+        ("tp2", dict(tensor=2), 3, fsdp, tp),
+        ("dp2", dict(data=2), 3, fsdp, None)])
+    one = run_steps(tiny_config("muon"), None, STEPS, resume=tp).losses
+    got = {"fsdp4 steps 1-2": (four["fsdp4"], straight[:2]),
+           "zero4 step 3 from fsdp4": (four["zero4"], straight[2:3]),
+           "tp2 step 3 from fsdp4": (two["tp2"], straight[2:3]),
+           "dp2 step 3 from fsdp4": (two["dp2"], straight[2:3]),
+           "1 process step 4 from tp2": (one, straight[3:4])}
+    for what, (losses, expected) in got.items():
+        assert len(losses) == len(expected), what
+        for a, b in zip(losses, expected):
+            assert abs(a - b) <= TOL * abs(b), (what, a, b)
