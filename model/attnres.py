@@ -21,6 +21,10 @@ class DepthMix(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.query)
+        nn.init.ones_(self.norm_weight)
+
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         values = torch.stack([s.float() for s in sources])  # [n, ..., d]
         keys = rms_norm(values, self.norm_weight, self.eps)
@@ -33,7 +37,10 @@ class BlockState:
     """The AttnRes bookkeeping of one forward pass: completed blocks and the running partial sum.
 
     Block size counts decoder layers (K3: 12), not sublayers. Layer 0 pushes the embedding as
-    block 0; every `block_size` layers the partial sum becomes a completed block.
+    block 0; every `block_size` layers the partial sum becomes a completed block. A layer takes
+    `blocks` (a snapshot tuple) and `partial` and returns the new partial, so that a whole
+    layer, its depth mixes included, is one function of tensors (activation checkpointing,
+    pipeline stages).
     """
 
     def __init__(self, embedding: torch.Tensor, block_size: int):
@@ -41,15 +48,12 @@ class BlockState:
         self.partial: torch.Tensor | None = embedding
         self.block_size = block_size
 
-    def before_attention(self, layer: int, mix: DepthMix | None) -> torch.Tensor:
-        h = mix(self.blocks + [self.partial]) if self.blocks else self.partial
+    def start_layer(self, layer: int) -> None:
+        """Completes a block before every block_size-th layer (layer 0: the embedding)."""
         if layer % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
-        return h
 
-    def add(self, out: torch.Tensor) -> None:
-        self.partial = out if self.partial is None else self.partial + out
-
-    def mix(self, mix: DepthMix) -> torch.Tensor:
-        return mix(self.blocks + [self.partial])
+    def sources(self) -> list[torch.Tensor]:
+        """Completed blocks, then the partial sum if the current block has one."""
+        return self.blocks + ([] if self.partial is None else [self.partial])

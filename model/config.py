@@ -155,6 +155,9 @@ class K3Config:
     image_token_id: int = 163605  # placeholder token replaced by projected vision tokens
     pad_token_id: int = 163839  # padding tokens: no loss, excluded from Quantile Balancing
     init_std: float = 0.006
+    # Tokens per chunk of the LM head + cross entropy (fp32 logits held: chunk x vocab); 0 = the
+    # whole micro-batch at once (the reference, and the vocabulary-parallel path).
+    loss_chunk_tokens: int = 1024
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -177,6 +180,9 @@ class K3Config:
                      "attnres_block_size", "max_seq_len", "situ_beta_gate", "situ_beta_up",
                      "norm_eps", "init_std"):
             _positive(f"{path}.{name}", getattr(self, name))
+        if self.loss_chunk_tokens < 0:
+            _fail(f"{path}.loss_chunk_tokens", self.loss_chunk_tokens,
+                  "must be >= 0 (0: no chunking)")
         if not 0 <= self.num_dense_layers <= self.num_layers:
             _fail(f"{path}.num_dense_layers", self.num_dense_layers,
                   f"must be in [0, num_layers={self.num_layers}]")

@@ -3,15 +3,16 @@ Attention Residuals and latent MoE, untied embedding and LM head, no positional 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attnres import BlockState, DepthMix
 from .batch import K3Batch, segment_ids
 from .config import K3Config
+from .head import IGNORE_INDEX, LMHead
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .mlp import SiTUGLUMLP
@@ -19,7 +20,13 @@ from .moe import LatentMoE
 from .norms import RMSNorm
 from .vision import MoonViT
 
-IGNORE_INDEX = -100
+
+def _forked_rng():
+    """Forks the CPU generator and, when building on an accelerator, that device's."""
+    device = torch.get_default_device()
+    if device.type in ("cpu", "meta"):
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
 
 
 class DecoderLayer(nn.Module):
@@ -39,17 +46,22 @@ class DecoderLayer(nn.Module):
         self.attn_mix = DepthMix(cfg.hidden_size, cfg.norm_eps) if index > 0 else None
         self.mlp_mix = DepthMix(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, state: BlockState, cu_seqlens: torch.Tensor | None,
-                segments: torch.Tensor | None, token_mask: torch.Tensor) -> None:
-        h = state.before_attention(self.index, self.attn_mix)
-        state.add(self.attn(self.attn_norm(h), cu_seqlens, segments))
-        h = self.mlp_norm(state.mix(self.mlp_mix))
+    def forward(self, blocks: Sequence[torch.Tensor], partial: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None, segments: torch.Tensor | None,
+                token_mask: torch.Tensor) -> torch.Tensor:
+        """blocks: the completed AttnRes blocks (the embedding first); partial: the current
+        block's running sum (None right after a block completed). Returns the new partial."""
+        sources = [*blocks] if partial is None else [*blocks, partial]
+        h = sources[-1] if self.attn_mix is None else self.attn_mix(sources)
+        out = self.attn(self.attn_norm(h), cu_seqlens, segments)
+        partial = out if partial is None else partial + out
+        h = self.mlp_norm(self.mlp_mix([*blocks, partial]))
         if isinstance(self.mlp, LatentMoE):
             b, t, d = h.shape
             out = self.mlp(h.reshape(b * t, d), token_mask.reshape(b * t)).view(b, t, d)
         else:
             out = self.mlp(h)
-        state.add(out)
+        return partial + out
 
 
 @dataclass
@@ -60,27 +72,45 @@ class K3Output:
 
 
 class K3Model(nn.Module):
+    """Embedding (+ vision), decoder layers, LM head with the loss.
+
+    `layers` is a ModuleDict keyed by the layer index, so a pipeline stage that keeps some of
+    them keeps their parameter names. Every parameter and buffer gets its value from
+    `init_weights()`: a model built on the meta device, materialised with `to_empty` and
+    initialised equals an eagerly built one with the same seed.
+    """
+
     def __init__(self, cfg: K3Config):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.out_mix = DepthMix(cfg.hidden_size, cfg.norm_eps)
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.vision = (MoonViT(cfg.vision, cfg.hidden_size, cfg.norm_eps)
-                       if cfg.vision is not None else None)
-        self.reset_parameters()
+        # The constructors' own inits are overwritten by init_weights: let them draw from a
+        # forked RNG, so that init_weights alone decides the values (eager build == meta build).
+        with _forked_rng():
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i)
+                                         for i in range(cfg.num_layers)})
+            self.head = LMHead(cfg)
+            self.vision = (MoonViT(cfg.vision, cfg.hidden_size, cfg.norm_eps)
+                           if cfg.vision is not None else None)
+        self.init_weights()
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) for the language model's matrices; the layers' own inits for
-        norms, gates, convolutions and AttnRes queries (zero)."""
-        for name, module in self.named_modules():
-            if name.startswith("vision"):
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for the language model's Linear and Embedding weights; every
+        other module's `reset_parameters` for its own parameters and buffers (norms, gates,
+        convolutions, AttnRes queries, experts, router, Quantile Balancing state); the vision
+        tower's own `init_weights`. Draws in module order, so the same seed gives the same
+        model on any device."""
+        vision = set(self.vision.modules()) if self.vision is not None else set()
+        for module in self.modules():
+            if module is self or module in vision:
                 continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=self.cfg.init_std)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        if self.vision is not None:
+            self.vision.init_weights()
 
     def embed_inputs(self, batch: K3Batch) -> torch.Tensor:
         """Token embeddings with the projected vision tokens written over the placeholders."""
@@ -92,28 +122,26 @@ class K3Model(nn.Module):
         flat = x.reshape(b * t, d).index_copy(0, batch.vision.token_positions, vis)
         return flat.view(b, t, d)
 
-    def hidden_states(self, batch: K3Batch) -> torch.Tensor:
-        x = self.embed_inputs(batch)
-        b, t, _ = x.shape
+    def run_layers(self, state: BlockState, batch: K3Batch) -> None:
+        """Every decoder layer of this model (of this stage, under pipeline parallelism)."""
+        b, t = batch.tokens.shape
         cu = batch.cu_seqlens
         segments = segment_ids(cu, b * t).view(b, t) if cu is not None else None
         token_mask = batch.tokens != self.cfg.pad_token_id
-        state = BlockState(x, self.cfg.attnres_block_size)
-        for layer in self.layers:
-            layer(state, cu, segments, token_mask)
-        return self.final_norm(state.mix(self.out_mix))
+        for layer in self.layers.values():
+            state.start_layer(layer.index)
+            # A tuple snapshot: a checkpointed layer recomputes from the blocks it was given.
+            state.partial = layer(tuple(state.blocks), state.partial, cu, segments, token_mask)
 
     def forward(self, batch: K3Batch, return_logits: bool = False) -> K3Output:
-        h = self.hidden_states(batch)
-        logits = self.lm_head(h).float()
-        labels = batch.labels.reshape(-1)
-        loss_sum = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels,
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-        num_tokens = (labels != IGNORE_INDEX).sum()
-        return K3Output(loss_sum, num_tokens, logits if return_logits else None)
+        state = BlockState(self.embed_inputs(batch), self.cfg.attnres_block_size)
+        self.run_layers(state, batch)
+        loss_sum, logits = self.head(state.sources(), batch.labels, return_logits)
+        num_tokens = (batch.labels != IGNORE_INDEX).sum()
+        return K3Output(loss_sum, num_tokens, logits)
 
     def moe_layers(self) -> list[LatentMoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, LatentMoE)]
+        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, LatentMoE)]
 
     def mla_layers(self) -> list[GatedMLA]:
-        return [layer.attn for layer in self.layers if isinstance(layer.attn, GatedMLA)]
+        return [layer.attn for layer in self.layers.values() if isinstance(layer.attn, GatedMLA)]

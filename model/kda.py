@@ -44,17 +44,22 @@ class KimiDeltaAttention(nn.Module):
         self.beta_proj = nn.Linear(d, h, bias=False)
         self.decay_down = nn.Linear(d, kc.decay_rank, bias=False)
         self.decay_up = nn.Linear(kc.decay_rank, h * hd, bias=False)
+        # Per-head tensors are head-major along dim 0 (b_alpha [h * hd], A_h [h], the convs'
+        # [h * hd, K]), so sharding them along dim 0 splits them with their heads; the forward
+        # takes the head count from the projections' outputs (-1), so it runs on local heads.
         self.decay_bias = nn.Parameter(torch.empty(h * hd))  # b_alpha: no weight decay
-        self.a_log = nn.Parameter(torch.zeros(h))  # A_h, initialised to 0: no weight decay
+        self.a_log = nn.Parameter(torch.empty(h))  # A_h, initialised to 0: no weight decay
         self.gate_proj = nn.Linear(d, h * hd, bias=False)  # full-rank sigmoid output gate
         self.out_norm_weight = nn.Parameter(torch.ones(hd))  # head-wise RMSNorm
         self.o_proj = nn.Linear(h * hd, d, bias=False)
-        self.reset_decay_bias()
+        self.reset_parameters()
 
-    def reset_decay_bias(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
-        """dt-style init (as fla's KimiDeltaAttention): softplus(b) log-uniform in
-        [dt_min, dt_max]."""
+    def reset_parameters(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
+        """A_h = 0, head norm weight 1, and b_alpha dt-style (as fla's KimiDeltaAttention):
+        softplus(b) log-uniform in [dt_min, dt_max]. The projections are plain Linears."""
         with torch.no_grad():
+            self.a_log.zero_()
+            self.out_norm_weight.fill_(1.0)
             dt = torch.exp(torch.rand_like(self.decay_bias) * (math.log(dt_max) - math.log(dt_min))
                            + math.log(dt_min)).clamp_min(1e-4)
             self.decay_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
@@ -64,8 +69,8 @@ class KimiDeltaAttention(nn.Module):
         """x [B, T, d]; cu_seqlens over the flattened B*T tokens and segments [B, T] the document
         id of each position (both None: one document per row)."""
         b, t, _ = x.shape
-        h, hd = self.num_heads, self.head_dim
-        heads = (b, t, h, hd)
+        hd = self.head_dim
+        heads = (b, t, -1, hd)
         q = self.q_conv(self.q_proj(x), segments).view(heads)
         k = self.k_conv(self.k_proj(x), segments).view(heads)
         v = self.v_conv(self.v_proj(x), segments).view(heads)
@@ -75,13 +80,13 @@ class KimiDeltaAttention(nn.Module):
         z = (self.decay_up(self.decay_down(x)) + self.decay_bias).view(heads)
         g = kda_gate(z, self.a_log, self.gate_kind, self.lower_bound)
         if cu_seqlens is not None:  # all rows as one packed sequence with document boundaries
-            flat = (1, b * t, h, hd)
+            flat = (1, b * t, -1, hd)
             o, _ = kda_chunk(q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
-                             beta.reshape(1, b * t, h), cu_seqlens=cu_seqlens,
+                             beta.reshape(1, b * t, -1), cu_seqlens=cu_seqlens,
                              chunk_size=self.chunk_size, backend=self.backend)
             o = o.view(heads)
         else:
             o, _ = kda_chunk(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend)
         o = rms_norm(o.float(), self.out_norm_weight, self.norm_eps)
         o = torch.sigmoid(self.gate_proj(x).float()).view(heads) * o
-        return self.o_proj(o.reshape(b, t, h * hd).to(x.dtype))
+        return self.o_proj(o.reshape(b, t, -1).to(x.dtype))

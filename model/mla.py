@@ -43,18 +43,18 @@ class GatedMLA(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        h = self.num_heads
-        q = self.q_b(self.q_a_norm(self.q_a(x))).view(b, t, h, self.nope + self.rope)
+        # Head counts come from the projections (-1): a head-sharded q_b/kv_b runs unchanged.
+        q = self.q_b(self.q_a_norm(self.q_a(x))).view(b, t, -1, self.nope + self.rope)
         ckv, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b(self.kv_a_norm(ckv)).view(b, t, h, self.nope + self.v_dim)
+        kv = self.kv_b(self.kv_a_norm(ckv)).view(b, t, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, t, h, self.rope)], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)
         out = doc_causal_attention(q, k, v, cu_seqlens, scale=self.scale, backend=self.backend,
                                    return_max_logit=self.record_max_logit)
         if self.record_max_logit:
             out, max_logit = out
             self.max_logit = max_logit if self.max_logit is None else torch.maximum(
                 self.max_logit, max_logit)
-        gate = torch.sigmoid(self.gate_proj(x).float()).view(b, t, h, self.v_dim)
-        o = (gate * out.float()).reshape(b, t, h * self.v_dim)
+        gate = torch.sigmoid(self.gate_proj(x).float()).view(b, t, -1, self.v_dim)
+        o = (gate * out.float()).reshape(b, t, -1)
         return self.o_proj(o.to(x.dtype))

@@ -33,8 +33,11 @@ class ShortConv(nn.Module):
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, kernel))
-        bound = 1.0 / math.sqrt(kernel)  # nn.Conv1d's default for a depthwise kernel
+        self.weight = nn.Parameter(torch.empty(channels, kernel))  # [channels, K]: shards by row
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.weight.shape[-1])  # nn.Conv1d's default, depthwise kernel
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ def test_checkpointed_model_matches_plain_model():
     plain = K3Model(cfg)
     ckpt = K3Model(cfg)
     ckpt.load_state_dict(plain.state_dict())
-    assert apply_activation_checkpointing(ckpt) == 2 * cfg.num_layers
+    assert apply_activation_checkpointing(ckpt) == cfg.num_layers
     tokens = torch.randint(5, cfg.vocab_size, (2, 64))
     batch = K3Batch(tokens, tokens.roll(-1, 1), cu_seqlens_from_lengths([[30, 34], [64]], 64))
     for _ in range(2):  # the second step routes with the QB bias of the first

@@ -76,11 +76,13 @@ def test_block_schedule_matches_naive_lists():
             m.query.normal_()
 
     state = BlockState(emb, block_size)
-    for l in range(num_layers):
-        h = state.before_attention(l, attn_mix[l] if l else None)
-        state.add(torch.tanh(h @ attn_w[l]))
-        state.add(torch.tanh(state.mix(mlp_mix[l]) @ mlp_w[l]))
-    fast = state.mix(out_mix)
+    for l in range(num_layers):  # as DecoderLayer.forward does it
+        state.start_layer(l)
+        h = attn_mix[l](state.sources()) if l else state.sources()[-1]
+        a = torch.tanh(h @ attn_w[l])
+        state.partial = a if state.partial is None else state.partial + a
+        state.partial = state.partial + torch.tanh(mlp_mix[l](state.sources()) @ mlp_w[l])
+    fast = out_mix(state.sources())
 
     outputs = {}
     for l in range(num_layers):
@@ -99,7 +101,6 @@ def test_full_model_has_nine_sources_at_output():
     """K3: 93 layers in blocks of 12 -> 8 blocks (the last partial) + the embedding."""
     state = BlockState(torch.zeros(1, 2), 12)
     for l in range(93):
-        state.before_attention(l, None if l == 0 else (lambda s: s[-1]))
-        state.add(torch.zeros(1, 2))
-        state.add(torch.zeros(1, 2))
-    assert len(state.blocks) + 1 == 9
+        state.start_layer(l)
+        state.partial = torch.zeros(1, 2)
+    assert len(state.sources()) == 9

@@ -125,7 +125,7 @@ def test_file_layout_and_config(tiny_run, tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
 
-    w1 = model.layers[1].mlp.experts.w1.detach()  # [E, 2I, L]
+    w1 = model.layers["1"].mlp.experts.w1.detach()  # [E, 2I, L]
     packed = quantize_mx(w1, "e2m1").pack()
     blocks = tensors["layers.1.mlp.experts.w1.blocks"]
     scales = tensors["layers.1.mlp.experts.w1.scales"]
@@ -189,15 +189,15 @@ def test_cli_matches_function(tiny_run, tmp_path):
 def test_export_picks_the_latest_checkpoint(tiny_run, tmp_path):
     run_dir, model = tiny_run
     with torch.no_grad():
-        model.lm_head.weight.mul_(2)
+        model.head.output.weight.mul_(2)
     opt = torch.optim.AdamW(model.parameters())
     Checkpointer(run_dir / "checkpoints", keep_last=2).save(9, model, [opt], {"loader": {}})
     out = export_checkpoint(run_dir, tmp_path / "export", dtype="fp32")
     assert json.loads((out / "config.json").read_text())["export"]["step"] == 9
-    assert torch.equal(load_exported(out).lm_head.weight, model.lm_head.weight)
+    assert torch.equal(load_exported(out).head.output.weight, model.head.output.weight)
     older = export_checkpoint(run_dir, tmp_path / "older", dtype="fp32",
                               checkpoint=run_dir / "checkpoints" / "step_00000007")
-    assert torch.equal(load_exported(older).lm_head.weight, model.lm_head.weight / 2)
+    assert torch.equal(load_exported(older).head.output.weight, model.head.output.weight / 2)
 
 
 def test_export_refuses_unblockable_expert_weights(tmp_path):

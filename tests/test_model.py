@@ -167,3 +167,79 @@ def test_kda_layer_static_shapes_for_two_document_layouts():
     x = torch.randn(1, 96, cfg.hidden_size, requires_grad=True)
     assert_static(_kda_layer_trace(layer, x, [10, 50, 36]),
                   _kda_layer_trace(layer, x, [70, 2, 24]))
+
+
+def test_meta_build_materialised_with_init_weights_equals_eager_build():
+    """Every parameter and buffer (vision, QB bias and statistics included) comes from
+    init_weights: NaN-filled storage after to_empty would survive anywhere it did not reach."""
+    cfg = k3_tiny()
+    torch.manual_seed(123)
+    eager = K3Model(cfg)
+    torch.manual_seed(123)
+    with torch.device("meta"):
+        lazy = K3Model(cfg)
+    assert all(t.is_meta for t in [*lazy.parameters(), *lazy.buffers()])
+    lazy.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*lazy.parameters(), *lazy.buffers()]:
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+    lazy.init_weights()
+    eager_tensors = {**dict(eager.named_parameters()), **dict(eager.named_buffers())}
+    lazy_tensors = {**dict(lazy.named_parameters()), **dict(lazy.named_buffers())}
+    assert eager_tensors.keys() == lazy_tensors.keys()
+    assert any(".balancer." in n for n in eager_tensors) and any(
+        n.startswith("vision.") for n in eager_tensors)
+    for name, tensor in eager_tensors.items():
+        assert torch.equal(tensor, lazy_tensors[name]), name
+    batch = _multimodal_batch(cfg, torch.Generator().manual_seed(4))
+    assert torch.equal(eager(batch).loss_sum, lazy(batch).loss_sum)
+
+
+def test_full_model_builds_on_meta_without_allocating():
+    with torch.device("meta"):
+        model = K3Model(k3_full())
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert list(model.layers) == [str(i) for i in range(93)]
+    assert "layers.92.attn.q_b.weight" in dict(model.named_parameters())
+
+
+def _head_shard(module, names_by_dim, heads, index):
+    """A copy of `module` holding only head block `index` of `heads`: parameters named in
+    names_by_dim[0] are cut along dim 0 (head-major rows), those in names_by_dim[1] along dim 1
+    (the output projection's columns), as a head-sharded tensor-parallel plan lays them out."""
+    import copy
+
+    shard = copy.deepcopy(module)
+    for dim, names in names_by_dim.items():
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            holder = shard.get_submodule(owner) if owner else shard
+            full = getattr(holder, attr)
+            part = full.detach().chunk(heads, dim=dim)[index].clone()
+            setattr(holder, attr, torch.nn.Parameter(part))
+    return shard
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_head_sharded_attention_runs_unchanged(kind):
+    """Each head block alone, its output projection row-parallel: the partial outputs sum to
+    the full layer's output (what TP with use_local_output=True computes)."""
+    torch.manual_seed(0)
+    cfg = k3_tiny()
+    if kind == "kda":
+        module = KimiDeltaAttention(cfg)
+        rows = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv.weight",
+                "k_conv.weight", "v_conv.weight", "beta_proj.weight", "decay_up.weight",
+                "decay_bias", "a_log", "gate_proj.weight"]
+    else:
+        module = GatedMLA(cfg)
+        rows = ["q_b.weight", "kv_b.weight", "gate_proj.weight"]
+    heads = module.num_heads
+    lengths = [40, 3, 21]
+    x = torch.randn(1, sum(lengths), cfg.hidden_size)
+    cu = cu_seqlens_from_lengths([lengths], sum(lengths))
+    segments = segment_ids(cu, sum(lengths)).view(1, -1)
+    full = module(x, cu, segments)
+    parts = [_head_shard(module, {0: rows, 1: ["o_proj.weight"]}, heads, i)(x, cu, segments)
+             for i in range(heads)]
+    assert_close_rms(full, sum(parts), 1e-5, f"{kind} head shards")

@@ -1,11 +1,13 @@
-"""Activation checkpointing and torch.compile applied from outside to each decoder sublayer
-(attention, MLP/MoE).
+"""Activation checkpointing of each whole decoder layer, and torch.compile of each decoder
+sublayer (attention, MLP/MoE), applied from outside.
 
-Both replace the sublayers' `forward` on the instance, so parameter names (and so checkpoints and
-optimizer groups) are the same with and without them. A checkpointed sublayer keeps only its
-input and recomputes the rest in backward; the recomputation runs under the same autocast
-(torch and Transformer Engine) as the forward, and must not feed Quantile Balancing a second
-time, so the recompute context pauses the layer's balancer.
+Both replace a module's `forward` on the instance, so parameter names (and so checkpoints and
+optimizer groups) are the same with and without them. A checkpointed layer keeps only its
+inputs (the AttnRes blocks and partial sum it was given, which the model holds anyway) and
+recomputes the rest in backward, its two depth mixes included: those stack fp32 copies of all
+their sources, the largest activations of a layer. The recomputation runs under the same
+autocast (torch and Transformer Engine) as the forward, and must not feed Quantile Balancing a
+second time, so the recompute context pauses the layer's balancer.
 """
 
 from __future__ import annotations
@@ -54,24 +56,27 @@ def _checkpointed(module: nn.Module, autocast) -> None:
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
+    forward.checkpointed = True
     module.forward = forward
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return getattr(module.forward, "checkpointed", False)
 
 
 def apply_activation_checkpointing(model: K3Model,
                                    autocast=contextlib.nullcontext) -> int:
-    """Checkpoints every decoder layer's attention and MLP; returns the number of sublayers.
-    `autocast`: a callable giving the run's autocast context, re-entered for recomputation."""
-    count = 0
-    for layer in model.layers:
-        for sub in (layer.attn, layer.mlp):
-            _checkpointed(sub, autocast)
-            count += 1
-    return count
+    """Checkpoints every decoder layer (mixes, norms, attention, MLP); returns the number of
+    layers. `autocast`: a callable giving the run's autocast context, re-entered for
+    recomputation."""
+    for layer in model.layers.values():
+        _checkpointed(layer, autocast)
+    return len(model.layers)
 
 
 def compile_sublayers(model: K3Model) -> None:
     """torch.compile of every decoder sublayer (the AttnRes bookkeeping between them stays
     eager: it is a few additions over Python lists)."""
-    for layer in model.layers:
+    for layer in model.layers.values():
         for sub in (layer.attn, layer.mlp):
             sub.forward = torch.compile(sub.forward)

@@ -7,8 +7,8 @@ parallel layout, from the same configs as `k3-train`.
 The model is built on the meta device (no memory, no time), so the counts are the real module's.
 Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
 Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter
-within one HSDP replica, and activations from a per-token, per-layer count of saved tensors (see
-activation_bytes).
+within one HSDP replica, and activations from the tensors the modules save for backward, traced
+on the meta device (see activation_bytes).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from parallel.topology import Topology
 
 from .cli import CONFIG_DIR, prepare_tool_argv, register_configs, to_train_config
 from .flops import forward_flops_per_token, training_flops_per_token
+from .saved_activations import checkpointed_inputs_bytes, traced_head_bytes, traced_layer_bytes
 
 GiB = 2**30
 
@@ -53,34 +54,34 @@ def layout_dict(t: Topology) -> dict:
             "pipeline_schedule": t.pipeline_schedule}
 
 
+def saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layers: int,
+                        checkpointing: bool) -> tuple[int, int]:
+    """(embedding + layers + head, largest layer) bytes kept for backward after the forward of
+    one micro-batch through `num_layers` layers, counted by tracing the real modules on the meta
+    device (train/saved_activations.py: bf16, with the fp32 tensors the model keeps). With
+    activation checkpointing the layers count what they hold for recomputation."""
+    per_layer = traced_layer_bytes(cfg, micro_batch, seq_len)
+    embedding, head = traced_head_bytes(cfg, micro_batch, seq_len)
+    if checkpointing:
+        layers = checkpointed_inputs_bytes(cfg, micro_batch, seq_len, num_layers)
+    else:
+        layers = sum(sorted(per_layer)[-num_layers:])
+    return embedding + layers + head, max(per_layer)
+
+
 def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Topology,
                      checkpointing: bool) -> float:
-    """Saved activations of one micro-batch on one GPU (bf16 tensors, fp32 where the model keeps
-    fp32: AttnRes sources and attention outputs). Per token and layer: the inputs of every
-    projection, the KDA/MLA per-head tensors, the routed tokens' latent and intermediate tensors
-    (top_k copies), the shared experts' intermediate, and the AttnRes mixes over up to
-    (blocks + 1) fp32 sources. With activation checkpointing only each layer's input is kept
-    (plus one layer's worth during recomputation)."""
-    d, m, e, k = cfg.hidden_size, cfg.mla, cfg.moe, cfg.kda
-    tokens = seq_len * micro_batch / layout.cp
-    sources = cfg.num_attnres_blocks + 1
-    attnres = 2 * sources * d * 4
-    kda = 2 * (6 * d + 6 * k.num_heads * k.head_dim) / layout.tp
-    mla = 2 * (4 * d + m.q_lora_rank + m.kv_lora_rank
-               + m.num_heads * (2 * m.qk_head_dim + 3 * m.v_head_dim)) / layout.tp
-    moe = 2 * (2 * d + e.latent_dim * (2 + e.top_k)
-               + e.top_k * 3 * e.expert_intermediate
-               + 3 * e.num_shared_experts * e.expert_intermediate / layout.tp)
-    kinds = cfg.layer_types()
-    per_layer = [attnres + (kda if kind == "kda" else mla) + moe for kind in kinds]
+    """Activations kept for backward on one GPU: a stage's share of `saved_after_forward`
+    (the head as configured: with the chunked loss no vocabulary-sized logits remain, with
+    `loss_chunk_tokens=0` the fp32 logits are counted) for each of up to `pipeline` micro-batches
+    that 1F1B keeps in flight on the first stage, plus one layer's recomputation with activation
+    checkpointing. Tensor parallelism splits heads, and sequence parallelism the rest, across
+    its ranks."""
     layers_per_stage = -(-cfg.num_layers // layout.pp)
-    if checkpointing:
-        per_token = layers_per_stage * d * 2 + max(per_layer)
-    else:
-        per_token = sum(sorted(per_layer)[-layers_per_stage:])
-    logits = 4 * cfg.vocab_size / layout.tp  # fp32 logits on the last stage
-    # 1F1B keeps up to `pipeline` micro-batches in flight on the first stage.
-    return tokens * (per_token * layout.pp + logits)
+    saved, largest_layer = saved_after_forward(cfg, seq_len // layout.cp, micro_batch,
+                                               layers_per_stage, checkpointing)
+    recompute = largest_layer if checkpointing else 0
+    return (saved * layout.pp + recompute) / layout.tp
 
 
 def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_len: int,

@@ -22,7 +22,7 @@ def moe_stats(model: K3Model) -> dict[str, float]:
     row = {"moe/cv_mean": float(cv.mean()), "moe/cv_max": float(cv.max()),
            "moe/max_over_mean_max": float(mx.max()),
            "moe/bias_min": float(bias.min()), "moe/bias_max": float(bias.max())}
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.items():
         if layer.mlp in layers:
             j = layers.index(layer.mlp)
             row[f"moe/layer{i}/cv"] = float(cv[j])

@@ -83,6 +83,13 @@ class QuantileBalancer(nn.Module):
         self._score_minus_cutoff: list[torch.Tensor] = []  # exact estimator, NaN = padding
         self._pending = False
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Zero bias and statistics: the state of a fresh balancer (also after `to_empty`)."""
+        self.bias.zero_()
+        self.last_load.zero_()
+        self.clear()
+
     def _histogram_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Lower edge and bin width of [b_min - 1, b_max + 1] (device tensors)."""
         low = self.bias.min() - 1.0

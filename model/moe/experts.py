@@ -50,12 +50,16 @@ class GroupedExperts(nn.Module):
         self.beta_gate = beta_gate
         self.beta_up = beta_up
         self.backend = backend
+        self.init_std = init_std
         self.weight_fake_quant: FakeQuant | None = None
         self.input_fake_quant: FakeQuant | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         for weight in (self.w1, self.w2):
-            nn.init.normal_(weight, mean=0.0, std=init_std)
+            nn.init.normal_(weight, mean=0.0, std=self.init_std)
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         w1, w2 = self.w1, self.w2

@@ -42,8 +42,12 @@ class SigmoidRouter(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.router_scale = router_scale
+        self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
-        nn.init.normal_(self.weight, mean=0.0, std=init_std)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Routing:
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))

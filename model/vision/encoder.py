@@ -50,7 +50,7 @@ class VisionAttention(nn.Module):
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        heads = (x.shape[0], self.num_heads, self.head_dim)
+        heads = (x.shape[0], -1, self.head_dim)  # local heads when q/k/v are head-sharded
         q = apply_axial_rope(self.q_proj(x).view(heads), angles)
         k = apply_axial_rope(self.k_proj(x).view(heads), angles)
         v = self.v_proj(x).view(heads)

@@ -14,7 +14,7 @@ from torch import nn
 
 _NO_DECAY_SUFFIXES = ("a_log", "decay_bias", "query", "norm_weight", "conv.weight",
                       "pos_table", "time_table")
-_DECAY_PREFIXES = ("embed.", "lm_head.")
+_DECAY_PREFIXES = ("embed.", "head.output.")
 
 
 def param_role(name: str, param: torch.Tensor) -> str:

@@ -1,0 +1,113 @@
+"""The language model's output: the AttnRes output mix, the final RMSNorm, the vocabulary
+projection and the token cross entropy, i.e. everything the last pipeline stage runs after its
+decoder layers.
+
+Two ways to the same loss:
+- chunked (`chunk_tokens > 0`): the logits of `chunk_tokens` tokens at a time, inside one
+  autograd Function that recomputes each chunk's logits in backward, so neither the fp32 logits
+  of the micro-batch nor their gradient is ever held (k3_full, 8K tokens: 5.4 GB each).
+- full (`chunk_tokens = 0`, or when the logits are asked for): `F.cross_entropy` on the logits of
+  the whole micro-batch. It is the reference, and the vocabulary-parallel path: a plan that
+  shards `output.weight` by vocabulary row (logits sharded on the last dim) sets
+  `chunk_tokens = 0` and runs the loss under torch's `loss_parallel`, which takes over
+  `F.cross_entropy`, so no rank holds logits over the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attnres import DepthMix
+from .config import K3Config
+from .norms import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+def full_logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 token cross entropy of logits [..., V] against labels [...]."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(F.linear(hidden_i, weight).float(), labels_i) over hidden [N, d], labels [N].
+
+    Saves hidden, weight and each token's fp32 log-sum-exp; backward recomputes each chunk's
+    logits, turns them into (softmax - one_hot) in place and feeds both matmuls from it.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens):
+        valid = labels != IGNORE_INDEX
+        targets = torch.where(valid, labels, torch.zeros_like(labels))
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            logits = F.linear(hidden[rows], weight).float()
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
+            loss += torch.where(valid[rows], lse[rows] - target_logit, 0.0).sum()
+        ctx.chunk_tokens = chunk_tokens
+        ctx.save_for_backward(hidden, weight, targets, valid, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, targets, valid, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        scale = torch.where(valid, grad_loss, 0.0)  # [N] fp32
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            grad_logits = F.linear(hidden[rows], weight).float()
+            grad_logits.sub_(lse[rows, None]).exp_()  # softmax
+            grad_logits.scatter_add_(1, targets[rows, None],
+                                     torch.full_like(lse[rows, None], -1.0))
+            grad_logits.mul_(scale[rows, None])
+            grad_logits = grad_logits.to(hidden.dtype)
+            if need_hidden:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
+                grad_weight += (grad_logits.T @ hidden[rows]).float()
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                                 labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Summed fp32 cross entropy of F.linear(hidden, weight) against labels, chunk_tokens rows
+    at a time; hidden [..., d], weight [V, d], labels [...]. Equal to
+    `full_logits_loss(F.linear(hidden, weight), labels)`, with its gradients."""
+    device_type = hidden.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # The dtype F.linear would compute in; backward then runs in it too.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                            labels.reshape(-1), chunk_tokens)
+
+
+class LMHead(nn.Module):
+    """sources (AttnRes blocks + the last partial) -> summed token loss (and logits)."""
+
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        self.out_mix = DepthMix(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.chunk_tokens = cfg.loss_chunk_tokens  # 0: full logits (vocabulary-parallel path)
+
+    def forward(self, sources: list[torch.Tensor], labels: torch.Tensor,
+                return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (loss_sum fp32, fp32 logits [..., V] if return_logits else None)."""
+        h = self.norm(self.out_mix(sources))
+        if return_logits or self.chunk_tokens == 0:
+            logits = self.output(h).float()
+            return full_logits_loss(logits, labels), logits if return_logits else None
+        return chunked_linear_cross_entropy(h, self.output.weight, labels, self.chunk_tokens), None
