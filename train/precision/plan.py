@@ -60,9 +60,12 @@ class PrecisionPlan:
                 stack.enter_context(self.te.autocast())
             yield
 
-    def end_step(self, model: K3Model, tau: float, updated: bool) -> dict[str, float]:
+    def end_step(self, model: K3Model, tau: float, updated: bool,
+                 group=None) -> dict[str, float]:
         """After the optimizer step (or a skipped one): applies QK-Clip to every MLA layer whose
-        recorded max logit exceeded tau, resets the records, returns figures to log."""
+        recorded max logit exceeded tau, resets the records, returns figures to log. The max
+        logits are reduced over `group`: the world, or under pipeline parallelism the ranks of
+        one stage (the others hold other layers)."""
         if not self.qk_clip:
             return {}
         from train.distributed import all_reduce_max
@@ -72,7 +75,7 @@ class PrecisionPlan:
         for mla in model.mla_layers():
             if mla.max_logit is None:
                 continue
-            all_reduce_max(mla.max_logit)  # every data-parallel replica clips the same heads
+            all_reduce_max(mla.max_logit, group)  # every data-parallel replica clips the same heads
             max_logits.append(mla.max_logit.max())
             if updated:
                 clipped.append(qk_clip_(mla.q_b.weight, mla.kv_b.weight, mla.max_logit, tau,
