@@ -329,6 +329,7 @@ class DataConfig:
     pack: PackConfig = field(default_factory=PackConfig)
     long_docs: LongDocConfig = field(default_factory=lambda: LongDocConfig(num_docs=8))
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    validation_fraction: float = 0.05  # documents held out (by content hash) for validation
 
     def check_sources_exist(self, path: str = "data") -> None:
         """Every source path is there and readable (checked before a run reads anything)."""
@@ -354,6 +355,7 @@ class DataConfig:
         self.dedup.validate(f"{path}.dedup")
         self.rephrase.validate(f"{path}.rephrase")
         self.tokenizer.validate(f"{path}.tokenizer")
+        _fraction(f"{path}.validation_fraction", self.validation_fraction)
         self.pack.validate(f"{path}.pack")
         self.long_docs.validate(f"{path}.long_docs")
         self.executor.validate(f"{path}.executor")

@@ -44,6 +44,7 @@ from .tokenizer import IMAGE_ID, PAD_ID
 
 IGNORE = -100
 STATE_VERSION = 1
+SPLITS = {"train": "sources", "validation": "validation"}  # split -> its manifest key
 
 
 def apportion(weights: np.ndarray, total: int) -> np.ndarray:
@@ -67,7 +68,8 @@ class BatchSource(Dataset):
 
     def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
                  dp_rank: int, dp_world_size: int, seed: int, max_docs_per_row: int,
-                 patch_size: int, merge_size: int, frames_per_chunk: int, grad_accum: int = 1):
+                 patch_size: int, merge_size: int, frames_per_chunk: int, grad_accum: int = 1,
+                 split: str = "train"):
         root = Path(manifest_path).parent
         manifest = json.loads(Path(manifest_path).read_text())
         if not manifest.get("complete"):
@@ -88,7 +90,9 @@ class BatchSource(Dataset):
         self.readers: list[ShardReader] = []
         self.plans: list[np.ndarray] = []
         row_shard, row_start, row_end, source_rows, weights = [], [], [], [], []
-        for source in manifest["sources"]:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is invalid: must be one of {sorted(SPLITS)}")
+        for source in manifest.get(SPLITS[split], []):
             first = len(row_shard)
             for shard in source["shards"]:
                 reader = ShardReader(root / shard["prefix"])
@@ -212,27 +216,28 @@ class K3DataLoader:
     def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, num_workers: int = 0,
                  patch_size: int = 14, merge_size: int = 2, frames_per_chunk: int = 4,
-                 max_docs_per_row: int = 64, grad_accum: int = 1):
+                 max_docs_per_row: int = 64, grad_accum: int = 1, split: str = "train"):
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world_size={dp_world_size})")
         self.source = BatchSource(manifest_path, seq_len, micro_batch_size, dp_rank,
                                   dp_world_size, seed, max_docs_per_row, patch_size, merge_size,
-                                  frames_per_chunk, grad_accum)
+                                  frames_per_chunk, grad_accum, split)
         self.num_workers = num_workers
         self.step = 0
         self._it = None
 
     @classmethod
     def from_stage(cls, manifest_path: str | Path, stage: StageConfig, dp_rank: int = 0,
-                   dp_world_size: int = 1, vision=None) -> K3DataLoader:
-        """`vision`: the model's VisionConfig (patch_size, merge_size, time_table_size)."""
+                   dp_world_size: int = 1, vision=None, split: str = "train") -> K3DataLoader:
+        """`vision`: the model's VisionConfig (patch_size, merge_size, time_table_size);
+        `split`: "train" or "validation" (the held-out documents)."""
         kwargs = {} if vision is None else {"patch_size": vision.patch_size,
                                             "merge_size": vision.merge_size,
                                             "frames_per_chunk": vision.time_table_size}
         grad_accum = stage.global_batch_size // (stage.micro_batch_size * dp_world_size)
         return cls(manifest_path, stage.seq_len, stage.micro_batch_size, dp_rank, dp_world_size,
                    stage.seed, stage.num_workers, max_docs_per_row=stage.max_docs_per_row,
-                   grad_accum=grad_accum, **kwargs)
+                   grad_accum=grad_accum, split=split, **kwargs)
 
     @property
     def steps_per_epoch(self) -> int:

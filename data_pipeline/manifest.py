@@ -4,11 +4,13 @@ manifest that ties tokenizer, shards and mixture weights together for the loader
 manifest.json (written last; its presence with "complete": true marks a finished run):
     version, complete, fingerprint (of the config that made it), data (that config's settings
     that change the data: name, sources, filters, ...), kept_documents (input documents in the
-    shards; 0: nothing survived, and tokenizer, vocab_size are null and sources have no shards),
-    tokenizer, vocab_size, special_tokens, pack {seq_len, max_docs_per_row}, vision
-    {patch_size, merge_size, frames_per_chunk}, sources [{name, modality, weight, shards
-    [{prefix, docs, tokens, rows, images, videos}]}] with shard prefixes relative to the
-    manifest's folder. Readers ignore keys they do not know, so new keys can be added.
+    shards and the held-out split; 0: nothing survived, and tokenizer, vocab_size are null and
+    sources have no shards), tokenizer, vocab_size, special_tokens, pack {seq_len,
+    max_docs_per_row}, vision {patch_size, merge_size, frames_per_chunk}, sources [{name,
+    modality, weight, shards [{prefix, docs, tokens, rows, images, videos}]}] with shard
+    prefixes relative to the manifest's folder, validation (the held-out split,
+    validation_split.py: the same form, natural proportions). Readers ignore keys they do not
+    know, so new keys can be added.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .config import DataConfig
 from .records import read_jsonl, read_ledger, write_json
 from .tokenize_shards import SYNTHETIC_SOURCE, tokenizer_path
 from .tokenizer import SPECIAL_TOKENS
+from .validation_split import VALIDATION_DIR
 
 MANIFEST_VERSION = 1
 RUN_SETTINGS = ("output_dir", "resume", "overwrite", "use_prepared", "progress", "verbose",
@@ -43,10 +46,11 @@ def fingerprint(cfg: DataConfig) -> str:
     return hashlib.sha256(json.dumps(data_settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _shards_and_docs(out: Path) -> tuple[list[dict], dict[str, list[dict]]]:
+def _shards_and_docs(out: Path, folder: str = "shards") -> tuple[list[dict],
+                                                                  dict[str, list[dict]]]:
     shards: dict[str, list[dict]] = defaultdict(list)
     docs = []
-    for stats_path in sorted((out / "shards").glob("*/*.json")):
+    for stats_path in sorted((out / folder).glob("*/*.json")):
         prefix = stats_path.with_suffix("")
         shards[stats_path.parent.name].append({
             "prefix": str(prefix.relative_to(out)), **json.loads(stats_path.read_text())})
@@ -62,7 +66,8 @@ def build_summary(out: Path, timings: dict[str, dict]) -> dict:
         by_source[r["source"]].update(records=r["records"], bytes=r["bytes"])
     ledger = [rec for rec in read_ledger(out) if rec["origin"] == "input"]
     docs, shards = _shards_and_docs(out)
-    kept_input = [d for d in docs if d["origin"] == "input"]
+    held_out_docs, held_out = _shards_and_docs(out, VALIDATION_DIR)
+    kept_input = [d for d in docs + held_out_docs if d["origin"] == "input"]
     outcomes: dict[str, Counter] = {o: Counter() for o in ("filtered", "duplicate",
                                                             "quarantined")}
     by_stage: dict[str, Counter] = defaultdict(Counter)
@@ -92,6 +97,8 @@ def build_summary(out: Path, timings: dict[str, dict]) -> dict:
             "by_source": {name: {k: sum(s[k] for s in ss)
                                  for k in ("docs", "tokens", "rows", "images", "videos")}
                           for name, ss in sorted(shards.items())},
+            "validation": {k: sum(s[k] for ss in held_out.values() for s in ss)
+                           for k in ("docs", "tokens", "rows")},
         },
         "timing": _throughput(timings, input_records, input_bytes, _curated_count(out)),
     }
@@ -134,6 +141,7 @@ def build_manifest(out: Path, cfg: DataConfig) -> dict:
     from .tokenizer import load_tokenizer
 
     docs, shards = _shards_and_docs(out)
+    held_out_docs, held_out = _shards_and_docs(out, VALIDATION_DIR)
     tokenizer = tokenizer_path(out)
     weights = {s.name: s.weight for s in cfg.sources} | {SYNTHETIC_SOURCE: cfg.long_docs.weight}
     modalities = {s.name: s.modality for s in cfg.sources} | {SYNTHETIC_SOURCE: "text"}
@@ -142,7 +150,7 @@ def build_manifest(out: Path, cfg: DataConfig) -> dict:
         "complete": True,
         "fingerprint": fingerprint(cfg),
         "data": data_settings(cfg),
-        "kept_documents": sum(1 for d in docs if d["origin"] == "input"),
+        "kept_documents": sum(1 for d in docs + held_out_docs if d["origin"] == "input"),
         "tokenizer": tokenizer.name if tokenizer.exists() else None,
         "vocab_size": load_tokenizer(tokenizer).get_vocab_size() if tokenizer.exists() else None,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
@@ -151,6 +159,9 @@ def build_manifest(out: Path, cfg: DataConfig) -> dict:
                    "frames_per_chunk": cfg.image.frames_per_chunk},
         "sources": [{"name": name, "modality": modalities[name], "weight": weights[name],
                      "shards": ss} for name, ss in sorted(shards.items())],
+        "validation": [{"name": name, "modality": modalities[name], "weight": None,
+                        "shards": ss}
+                       for name, ss in sorted(held_out.items())],
     }
 
 

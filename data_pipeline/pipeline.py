@@ -10,9 +10,10 @@
 Stages hand over through files under the build folder `<output_dir>.partial`, so each stage can
 be a Slurm job array that depends on the previous one; once the manifest is written the build is
 swapped in for output_dir (publish.py), which keeps the dataset it held until then. Output
-layout: ledger/, counts/, work/, logs/, shards/, tokenizer.json, summary.json, quarantine.jsonl,
-manifest.json. When no document survives curation the run still ends with the summary, ledger,
-quarantine and a manifest of no shards (manifest.py), and k3-train refuses it by name.
+layout: ledger/, counts/, work/, logs/, shards/, validation/ (the held-out split),
+tokenizer.json, summary.json, quarantine.jsonl, manifest.json. When no document survives
+curation the run still ends with the summary, ledger, quarantine and a manifest of no shards
+(manifest.py), and k3-train refuses it by name.
 """
 
 from __future__ import annotations

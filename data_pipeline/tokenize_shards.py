@@ -28,6 +28,7 @@ from .longdoc import generate_long_document
 from .records import LedgerWriter
 from .shards import ShardWriter
 from .tokenizer import EOD_ID, IMAGE_ID, VIDEO_ID, load_tokenizer, train_tokenizer
+from .validation_split import VALIDATION_DIR, is_held_out
 
 SYNTHETIC_SOURCE = "synthetic_long"
 ENCODE_BATCH = 256
@@ -106,13 +107,13 @@ class TokenizeToShards(PipelineStep):
             return
         tok = load_tokenizer(tokenizer_path(self.output_dir))
         vocab = tok.get_vocab_size()
-        writers: dict[str, ShardWriter] = {}
+        writers: dict[tuple[str, str], ShardWriter] = {}
 
-        def writer(source: str) -> ShardWriter:
-            if source not in writers:
-                prefix = Path(self.output_dir) / "shards" / source / f"{rank:05d}"
-                writers[source] = ShardWriter(prefix, vocab)
-            return writers[source]
+        def writer(source: str, folder: str = "shards") -> ShardWriter:
+            if (folder, source) not in writers:
+                prefix = Path(self.output_dir) / folder / source / f"{rank:05d}"
+                writers[folder, source] = ShardWriter(prefix, vocab)
+            return writers[folder, source]
 
         seq_len = self.cfg.pack.seq_len
         with LedgerWriter(self.output_dir, "tokenize") as ledger:
@@ -128,9 +129,12 @@ class TokenizeToShards(PipelineStep):
                             ledger.write(doc, rank)
                             continue
                         meta = doc.metadata
-                        writer(meta["source"]).add(
+                        media = [m.media_bytes for m in doc.media]
+                        held_out = is_held_out(doc.text, media, self.cfg.validation_fraction)
+                        folder = VALIDATION_DIR if held_out else "shards"
+                        writer(meta["source"], folder).add(
                             doc.id, meta["origin"], meta["modality"], np.asarray(ids), offset,
-                            meta.get("grid_thw"), [m.media_bytes for m in doc.media], doc.text,
+                            meta.get("grid_thw"), media, doc.text,
                             {"file": meta.get("file"), "line": meta.get("line"),
                              "record_id": meta.get("orig_id")})
                         self.stat_update("tokens", value=len(ids))

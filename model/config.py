@@ -9,6 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# The special-token ids every preset shares with the data pipeline, whose tokenizer fixes them
+# (data_pipeline/tokenizer.py: <pad>=0, <image>=3); k3-train checks them against the manifest.
+PAD_TOKEN_ID = 0
+IMAGE_TOKEN_ID = 3
+
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field, the value and what is valid."""
@@ -152,8 +157,8 @@ class K3Config:
     situ_beta_gate: float = 4.0
     situ_beta_up: float = 25.0
     max_seq_len: int = 1048576
-    image_token_id: int = 163605  # placeholder token replaced by projected vision tokens
-    pad_token_id: int = 163839  # padding tokens: no loss, excluded from Quantile Balancing
+    image_token_id: int = IMAGE_TOKEN_ID  # placeholder replaced by projected vision tokens
+    pad_token_id: int = PAD_TOKEN_ID  # padding tokens: no loss, excluded from Quantile Balancing
     init_std: float = 0.006
     # Tokens per chunk of the LM head + cross entropy (fp32 logits held: chunk x vocab); 0 = the
     # whole micro-batch at once (the reference, and the vocabulary-parallel path).
@@ -207,9 +212,7 @@ def k3_small() -> K3Config:
     """About 1B total parameters: every mechanism, fits one GPU."""
     return K3Config(
         name="k3_small", vocab_size=32768, hidden_size=1024, num_layers=16,
-        dense_intermediate=4096, attnres_block_size=4, max_seq_len=65536, image_token_id=32000,
-        pad_token_id=32001,
-        init_std=0.02,
+        dense_intermediate=4096, attnres_block_size=4, max_seq_len=65536, init_std=0.02,
         kda=KDAConfig(num_heads=8, head_dim=128, decay_rank=64),
         mla=MLAConfig(num_heads=8, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=64,
                       qk_rope_head_dim=32, v_head_dim=64),
@@ -225,9 +228,7 @@ def k3_tiny() -> K3Config:
     a dense first layer, latent MoE with shared experts and QB, and a small MoonViT-V2."""
     return K3Config(
         name="k3_tiny", vocab_size=2048, hidden_size=64, num_layers=8,
-        dense_intermediate=128, attnres_block_size=4, max_seq_len=4096, image_token_id=3,
-        pad_token_id=0,
-        init_std=0.02,
+        dense_intermediate=128, attnres_block_size=4, max_seq_len=4096, init_std=0.02,
         kda=KDAConfig(num_heads=2, head_dim=32, decay_rank=16, chunk_size=32),
         mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16),

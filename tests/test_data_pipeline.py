@@ -35,7 +35,8 @@ def sample_run(sample_data_dir):
     out = Path(sample_data_dir)
     cfg = DataConfig(output_dir=str(out), progress=False)  # what sample_data_dir ran
     kept = {}  # document id -> (shard prefix, sequence, docs.jsonl record)
-    for docs_path in sorted((out / "shards").glob("*/*.docs.jsonl")):
+    for docs_path in sorted([*(out / "shards").glob("*/*.docs.jsonl"),
+                             *(out / "validation").glob("*/*.docs.jsonl")]):  # held-out split
         prefix = Path(str(docs_path)[:-len(".docs.jsonl")])
         for seq, d in enumerate(read_jsonl(docs_path)):
             kept[d["id"]] = (prefix, seq, d)

@@ -39,11 +39,14 @@ def test_dry_run_16_nodes_8_gpus_matches_golden():
     ("slurm.nodes=0", "slurm.nodes=0"),
     ("slurm.gpus_per_node=8", "slurm.gpus_per_node=8"),  # the default layout is device=cpu here
     ("stage.global_batch_size=3", "stage.global_batch_size"),
+    # A credential would be written into job.sbatch and the saved config: refused, not echoed.
+    ("+slurm.env.WANDB_API_KEY=k3-secret-51d2", "slurm.env.WANDB_API_KEY is invalid"),
 ])
 def test_bad_slurm_config_fails_before_submission(tmp_path, override, message):
     out = submit("--dry-run", f"run_dir={tmp_path}/run", "device=cpu", override)
     assert out.returncode == 2, out.stdout + out.stderr
     assert message in out.stderr
+    assert "k3-secret-51d2" not in out.stdout + out.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,7 +19,9 @@ from tests.train_helpers import (
     run_train,
     train_cmd,
     train_env,
+    wait_for,
 )
+from train.checkpoint_integrity import verify
 from train.wandb_records import read_history, run_id
 
 pytestmark = pytest.mark.slow
@@ -46,18 +47,6 @@ def test_short_run_learns_and_writes_everything(tmp_path, sample_data_dir):
     assert (run / "checkpoints" / "latest").read_text() == "step_00000030"
 
 
-def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early ({proc.returncode}): "
-                                 f"{proc.stderr.read()[-3000:]}")
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError("timed out waiting for the training process")
-        time.sleep(0.05)
-
-
 def test_exact_resume_after_sigkill(tmp_path, sample_data_dir):
     n = 4
     straight = tmp_path / "straight"
@@ -69,7 +58,7 @@ def test_exact_resume_after_sigkill(tmp_path, sample_data_dir):
                             cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     latest = killed / "checkpoints" / "latest"
-    _wait_for(lambda: latest.exists(), 300, proc)
+    wait_for(lambda: latest.exists(), 300, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert latest.read_text() == f"step_{n:08d}"
@@ -97,14 +86,15 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, sample_data_
 
 
 def test_two_rank_data_parallel_matches_one_rank(tmp_path, sample_data_dir):
+    """Training loss and the validation loss (held-out split, eval.every) alike; the two ranks'
+    checkpoint verifies against the checksums they wrote together."""
+    args = [*FAST, "steps=4", "checkpoint.every=0", "eval.every=2", "eval.batches=2"]
     one = tmp_path / "one"
-    run_train(one, sample_data_dir, *FAST, "steps=4", "checkpoint.every=0",
-              "checkpoint.save_at_end=false")
+    run_train(one, sample_data_dir, *args, "checkpoint.save_at_end=false")
     two = tmp_path / "two"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                 f"--master-port={free_port()}"]
-    cmd = launcher + train_cmd(two, sample_data_dir)[1:] + [
-        *FAST, "steps=4", "checkpoint.every=0", "checkpoint.save_at_end=false"]
+    cmd = launcher + train_cmd(two, sample_data_dir)[1:] + args
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -112,6 +102,14 @@ def test_two_rank_data_parallel_matches_one_rank(tmp_path, sample_data_dir):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+    val_a = {r["step"]: r["val_loss"] for r in read_metrics(one) if "val_loss" in r}
+    val_b = {r["step"]: r["val_loss"] for r in read_metrics(two) if "val_loss" in r}
+    assert sorted(val_a) == sorted(val_b) == [2, 4]
+    for step in val_a:
+        assert abs(val_a[step] - val_b[step]) <= 1e-5 * abs(val_a[step]), (step, val_a, val_b)
+    ckpt = two / "checkpoints" / "step_00000004"
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert verify(ckpt) == []
 
 
 def test_wandb_offline_history_and_resume_keeps_the_run_id(tmp_path, sample_data_dir):

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model.ops.attention as attention
+from model.batch import segment_ids
 from model.config import VisionConfig, k3_tiny
 from model.vision import (
     MoonViT,
@@ -18,6 +20,7 @@ from model.vision import (
     patchify_video,
     vision_token_count,
 )
+from model.vision.encoder import VisionAttention
 from model.vision.rope import apply_axial_rope, axial_rope_angles
 from tests.tolerances import assert_close_rms, rel_rms
 
@@ -247,3 +250,38 @@ def test_gradients_reach_every_parameter(cfg, model):
         assert param.grad.abs().sum() > 0, f"{name} gets no gradient"
     assert (model.encoder.pos_table.grad.abs().sum(-1) > 0).all()
     assert (model.encoder.time_table.grad.abs().sum(-1) > 0).all()
+
+
+def _dense_vision_attention(attn: VisionAttention, x, angles, cu_seqlens):
+    """The encoder's attention as it was before the blockwise op: sdpa with a dense [P, P]
+    same-segment mask."""
+    segments = segment_ids(cu_seqlens, x.shape[0])
+    mask = segments[:, None] == segments[None, :]
+    heads = (x.shape[0], attn.num_heads, attn.head_dim)
+    q = apply_axial_rope(attn.q_proj(x).view(heads), angles)
+    k = apply_axial_rope(attn.k_proj(x).view(heads), angles)
+    v = attn.v_proj(x).view(heads)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask)
+    return attn.o_proj(o.transpose(0, 1).flatten(1))
+
+
+def test_attention_equals_the_dense_masked_version(cfg, monkeypatch):
+    """Several tiles over the packed patches, segment ends off the tile grid: the blockwise
+    per-image attention gives the dense-mask result, forward and backward."""
+    monkeypatch.setattr(attention, "BLOCK_Q", 16)
+    monkeypatch.setattr(attention, "BLOCK_K", 40)
+    grids = [(1, 4, 6), (6, 2, 2), (1, 2, 2), (1, 6, 4)]  # segments 24, 16, 8, 4, 24 patches
+    layout = build_layout(grids, cfg)
+    attn = VisionAttention(cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+    angles = axial_rope_angles(layout.rows, layout.cols, cfg.head_dim, cfg.rope_theta)
+    x = torch.randn(layout.num_patches, cfg.hidden_size, requires_grad=True)
+    probe = torch.randn(layout.num_patches, cfg.hidden_size)
+    results = []
+    for fn in (_dense_vision_attention, VisionAttention.forward):
+        out = fn(attn, x, angles, layout.cu_seqlens)
+        grads = torch.autograd.grad((out * probe).sum(), [x, *attn.parameters()])
+        results.append([out, *grads])
+    names = ["output", "grad x"] + [f"grad {n}" for n, _ in attn.named_parameters()]
+    for name, ref, got in zip(names, *results):
+        assert_close_rms(ref, got, 5e-3, name)

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,3 +53,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(run_dir)}
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    """Polls `predicate` while the training process `proc` runs (killed on timeout)."""
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early ({proc.returncode}): "
+                                 f"{proc.stderr.read()[-3000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("timed out waiting for the training process")
+        time.sleep(0.05)

@@ -5,10 +5,12 @@ files, published by an atomic rename and a `latest` pointer.
 Layout under <root>:
     step_00000100/           a complete checkpoint (has COMPLETE)
         __0_0.distcp ...     DCP shards of model + optimizer
-        rank00000.pt         per-rank state (loader, RNG)
+        rank00000.json       per-rank state (loader, RNG): JSON, never a pickle
+        CHECKSUMS.json       size and SHA-256 of every file above (checkpoint_integrity.py)
         COMPLETE             json: step, world size, time
     step_00000200.partial/   being written (or left by a crash: ignored, then removed)
     latest                   name of the newest complete checkpoint
+    rejected/                checkpoints that failed verification at resume (kept, not read)
 The root must be on a filesystem every rank sees.
 """
 
@@ -16,18 +18,19 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .checkpoint_integrity import check, safe_dcp_load, write_checksums
+from .rank_state import rank_file, read_rank_state, write_rank_state
 
 COMPLETE = "COMPLETE"
 
@@ -60,22 +63,6 @@ def _fault_injection(step: int) -> None:
     but before the checkpoint is published (the crash-safety test)."""
     if os.environ.get("K3_FAULT_KILL_DURING_SAVE") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class Checkpointer:
@@ -118,9 +105,10 @@ class Checkpointer:
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizers)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-        torch.save({**rank_state, "rng": rng_state()}, partial / f"rank{self.rank:05d}.pt")
+        write_rank_state(rank_file(partial, self.rank), rank_state)
         _fault_injection(step)
         _barrier()
+        write_checksums(partial, self.rank, self.world_size)
         if self.rank == 0:
             meta = {"step": step, "world_size": self.world_size, "time": time.time()}
             _write_atomic(partial / COMPLETE, json.dumps(meta))
@@ -140,19 +128,19 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-             restore_rank_state: Callable[[dict], None]) -> int:
-        """Restores model, optimizer, RNG and (via the callback) loader state; returns the step."""
+             restore_rank_state: Callable[[dict], None], verified: bool = False) -> int:
+        """Restores model, optimizer, RNG and (via the callback) loader state; returns the step.
+        Checks the checksums first unless the caller just did (`verified`)."""
+        if not verified:
+            check(path, self.rank, self.world_size)
         meta = json.loads((path / COMPLETE).read_text())
         model_sd, optim_sd = get_state_dict(model, optimizers)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        safe_dcp_load(state, path)
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        rank_file = path / f"rank{self.rank:05d}.pt"
-        if meta["world_size"] == self.world_size and rank_file.is_file():
-            rank_state = torch.load(rank_file, weights_only=False)
-            set_rng_state(rank_state.pop("rng"))
-            restore_rank_state(rank_state)
+        if meta["world_size"] == self.world_size:
+            restore_rank_state(read_rank_state(rank_file(path, self.rank)))
         else:
             raise RuntimeError(
                 f"checkpoint {path} was written by {meta['world_size']} ranks, this run has "

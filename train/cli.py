@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from model.config import ConfigError
 
 from .config import TrainConfig
+from .startup_checks import check_known_keys, check_no_secret_overrides
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("k3.train")
@@ -40,6 +41,7 @@ def register_configs() -> None:
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The validated dataclass tree of a composed Hydra config. A type error (a string where a
     number belongs) becomes a ConfigError naming the field."""
+    check_known_keys(cfg)
     try:
         return OmegaConf.to_object(cfg)
     except Exception as e:  # omegaconf's ValidationError carries the full key
@@ -54,6 +56,9 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 
+EXIT_CONFIG_ERROR = 2  # every configuration error, Hydra's own (bad override, unknown group)
+
+
 def run(cfg: DictConfig) -> int:
     quiet_libraries()
     from .loop import train
@@ -63,24 +68,45 @@ def run(cfg: DictConfig) -> int:
         from .config import validate_train_config
 
         validate_train_config(train_cfg)
-    except ConfigError as e:
+        return train(train_cfg)
+    except ConfigError as e:  # also those found once the data is read (e.g. its vision sizes)
         print(f"k3-train: config error: {e}", file=sys.stderr)
-        return 2
-    return train(train_cfg)
+        return EXIT_CONFIG_ERROR
 
 
 register_configs()
+_task_started = False  # set once Hydra has composed the config and calls the task
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
     code = run(cfg)
     if code:
         sys.exit(code)
 
 
+def hydra_exit_codes(main) -> None:
+    """Runs a @hydra.main function; Hydra reports its own errors (an override it cannot parse,
+    a config group option that does not exist) with exit code 1, which here becomes
+    EXIT_CONFIG_ERROR, like every other configuration error. An error raised by the task itself
+    keeps its code."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _task_started:
+            sys.exit(EXIT_CONFIG_ERROR)
+        raise
+
+
 def train_main() -> None:
-    _hydra_main()
+    try:
+        check_no_secret_overrides(sys.argv[1:])
+    except ConfigError as e:
+        print(f"k3-train: config error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    hydra_exit_codes(_hydra_main)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Typed training configuration (Hydra structured configs) and its start-up validation.
 
-Groups: model, data, stage, optim, parallel, precision, logging, checkpoint (all overridable on the
-command line). `validate_train_config` runs before any process group or allocation and names the
-field, the bad value and what would be valid.
+Groups: model, data, stage, optim, parallel, precision, logging, checkpoint, eval (all
+overridable on the command line). `validate_train_config` runs before any process group or
+allocation and names the field, the bad value and what would be valid.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from data_pipeline.config import DataConfig, StageConfig
 from data_pipeline.pipeline import is_prepared
 from model.config import ConfigError, K3Config, k3_tiny
 from parallel.topology import Topology
+
+from .startup_checks import check_betas, check_model_matches_data, check_no_secrets
 
 __all__ = ["ConfigError", "TrainConfig", "validate_train_config"]
 
@@ -98,6 +100,12 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 50  # steps between validation-loss evaluations (and at the end); 0: never
+    batches: int = 2  # global batches of the held-out split per evaluation
+
+
+@dataclass
 class SlurmConfig:
     """How `k3-submit` turns this training config into an sbatch job (one torchrun per node)."""
 
@@ -139,6 +147,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run_dir: str = "outputs/run"
     steps: int = 150
@@ -186,6 +195,7 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
     if not 0 <= o.min_lr_ratio <= 1:
         _fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    check_betas(o.betas)
     if not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", o.betas, "each must be in [0, 1)")
     topo = Topology.from_config(cfg.parallel, world_size, cfg.model)
@@ -231,6 +241,15 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("logging.log_every", cfg.logging.log_every, "must be > 0")
     if cfg.checkpoint.keep_last <= 0:
         _fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be > 0")
+    if cfg.eval.every < 0:
+        _fail("eval.every", cfg.eval.every, "must be >= 0 (0: no validation loss)")
+    if cfg.eval.batches <= 0:
+        _fail("eval.batches", cfg.eval.batches, "must be > 0")
+    if cfg.eval.every > 0 and cfg.data.validation_fraction == 0:
+        _fail("eval.every", cfg.eval.every, "must be 0 with data.validation_fraction=0 (there "
+              "is no held-out split to evaluate on)")
     if cfg.max_nonfinite_in_a_row <= 0:
         _fail("max_nonfinite_in_a_row", cfg.max_nonfinite_in_a_row, "must be > 0")
+    check_no_secrets(cfg)
+    check_model_matches_data(cfg)
     return cfg

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -38,6 +37,7 @@ from model.config import K3Config
 from model.k3 import K3Model
 from model.moe.experts import GroupedExperts
 from train.checkpoint import Checkpointer
+from train.checkpoint_integrity import check, safe_dcp_load
 from train.precision.mx import SCALE_MODES, MXTensor, quantize_mx
 from train.precision.qat import MXFakeQuant
 
@@ -81,10 +81,11 @@ def read_run_config(run_dir: Path) -> tuple[K3Config, RunPrecision]:
 
 def load_checkpoint_model(cfg: K3Config, checkpoint: Path) -> K3Model:
     """K3Model on the CPU with the model half of a Checkpointer checkpoint (DCP reads only the
-    keys it is asked for, so the optimizer state stays on disk)."""
+    keys it is asked for, so the optimizer state stays on disk); checksums verified first."""
+    check(Path(checkpoint))
     model = K3Model(cfg)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(checkpoint))
+    safe_dcp_load(state, Path(checkpoint))
     set_model_state_dict(model, state["model"])
     return model
 

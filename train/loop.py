@@ -11,12 +11,14 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
 from model.k3 import K3Model
 from parallel.data_parallel import allreduce_gradients, fill_missing_gradients
 
 from .activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 from .checkpoint import Checkpointer
+from .checkpoint_integrity import resume_checkpoint
 from .config import TrainConfig, validate_train_config
 from .data import build_loader
 from .distributed import DistEnv, all_reduce_sum, init_distributed, init_topology, shutdown
@@ -24,9 +26,11 @@ from .flops import PeakFlops, training_flops_per_token
 from .metrics import MetricsLogger
 from .optim.factory import build_optimizer, describe_groups, set_lr
 from .precision.plan import PrecisionPlan
+from .run_log import Eta
 from .schedule import lr_at
 from .signals import EXIT_DONE, EXIT_PREEMPTED, PreemptionFlag
 from .step_stats import moe_stats, peak_memory_gb
+from .validation import Validator
 
 log = logging.getLogger("k3.train")
 
@@ -97,12 +101,18 @@ def train(cfg: TrainConfig) -> int:
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
                         env.world_size)
     step = 0
-    latest = ckpt.latest() if cfg.checkpoint.resume else None
+    latest, fallbacks = resume_checkpoint(ckpt) if cfg.checkpoint.resume else (None, [])
     if latest is not None:
-        step = ckpt.load(latest, model, optimizers, lambda s: loader.load_state_dict(s["loader"]))
+        step = ckpt.load(latest, model, optimizers, lambda s: loader.load_state_dict(s["loader"]),
+                         verified=True)
         log.info("resumed from %s at step %d", latest, step)
     metrics = MetricsLogger(run_dir, env.rank, cfg.logging, cfg.steps, step,
                             run_config=asdict(cfg))
+    if fallbacks:
+        metrics.note("resume/rejected_checkpoints", " | ".join(fallbacks))
+    validator = (Validator(cfg, manifest_path(Path(cfg.data.output_dir).resolve()), env.rank,
+                           dp_size) if cfg.eval.every > 0 else None)
+    eta = Eta(cfg.steps)
     flops_per_token = training_flops_per_token(cfg.model, cfg.stage.seq_len)
     peak = PeakFlops.measure(env.device)
     preempt = PreemptionFlag()
@@ -144,10 +154,14 @@ def train(cfg: TrainConfig) -> int:
                 opt.zero_grad(set_to_none=True)
             step += 1
             elapsed = time.perf_counter() - t0
-            if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite:
+            evaluated = validator is not None and Validator.due(cfg, step)
+            val = {"val_loss": validator.loss(model, env, precision)} if evaluated else {}
+            eta_s = eta.update(step, time.perf_counter() - t0)
+            if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite or evaluated:
                 tps = tokens_per_step / elapsed
-                row = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens_per_s": tps, "step_time_s": elapsed,
+                row = {"step": step, "loss": float(loss), **val, "lr": lr,
+                       "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": elapsed,
+                       "eta_s": eta_s,
                        "mfu": tps * flops_per_token / (peak.flops * env.world_size),
                        "mfu_peak_source": peak.source, "peak_mem_gb": peak_memory_gb(env.device),
                        "skipped": not finite, "nonfinite_in_a_row": nonfinite_in_a_row,

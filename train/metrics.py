@@ -1,5 +1,5 @@
-"""Step metrics: a console line, `metrics.jsonl` in the run directory, W&B (rank 0 only), and a
-loss/throughput plot at the end."""
+"""Step metrics: a console line, `metrics.jsonl` in the run directory, W&B (rank 0 only), and
+training.png at the end (run_log.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import secrets
 from pathlib import Path
 
+from .run_log import format_duration, plot_run
+
 log = logging.getLogger("k3.train")
 
 
@@ -18,8 +20,10 @@ def _fmt_tokens(x: float) -> str:
 
 
 def console_line(row: dict, total_steps: int) -> str:
-    parts = [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.4f}",
-             f"lr {row['lr']:.2e}", f"gnorm {row['grad_norm']:.3f}",
+    parts = [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.4f}"]
+    if "val_loss" in row:
+        parts.append(f"val loss {row['val_loss']:.4f}")
+    parts += [f"lr {row['lr']:.2e}", f"gnorm {row['grad_norm']:.3f}",
              f"{_fmt_tokens(row['tokens_per_s'])} tok/s",
              f"MFU {100 * row['mfu']:.2f}% ({row['mfu_peak_source']})"]
     if "moe/cv_mean" in row:
@@ -27,14 +31,17 @@ def console_line(row: dict, total_steps: int) -> str:
     if "attn/max_logit" in row:
         parts.append(f"max logit {row['attn/max_logit']:.1f}")
     parts.append(f"mem {row['peak_mem_gb']:.2f}GB")
+    if "eta_s" in row:
+        parts.append(f"ETA {format_duration(row['eta_s'])}")
     if row.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     return " | ".join(parts)
 
 
 class MetricsLogger:
-    """Writes one row per logged step. On resume it drops rows past the resumed step (they were
-    trained after the last checkpoint and are trained again) and continues the same W&B run."""
+    """Writes one row per logged step. On resume it drops the rows past the resumed step (they
+    were trained after the checkpoint and are trained again) and rewinds the W&B run to that step
+    (W&B's `resume_from`), so that each step is recorded once in both."""
 
     def __init__(self, run_dir: Path, rank: int, cfg, total_steps: int, resume_step: int,
                  run_config: dict):
@@ -43,6 +50,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.rows: list[dict] = []
         self.wandb_run = None
+        self.notes: dict[str, str] = {}  # warnings carried into the next row
         if rank != 0:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -53,24 +61,44 @@ class MetricsLogger:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         os.replace(tmp, self.path)
         if cfg.wandb and cfg.wandb_mode != "disabled":
-            self.wandb_run = self._init_wandb(run_dir, cfg, run_config)
+            self.wandb_run = self._init_wandb(run_dir, cfg, run_config, resume_step)
 
     @staticmethod
-    def _init_wandb(run_dir: Path, cfg, run_config: dict):
+    def _init_wandb(run_dir: Path, cfg, run_config: dict, resume_step: int):
         import wandb
 
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
-        id_file.write_text(run_id)
-        run = wandb.init(mode=cfg.wandb_mode, dir=str(run_dir), project=cfg.wandb_project,
-                         entity=cfg.wandb_entity, id=run_id, resume="allow", config=run_config,
-                         name=run_dir.name)
+        common = {"mode": cfg.wandb_mode, "dir": str(run_dir), "project": cfg.wandb_project,
+                  "entity": cfg.wandb_entity, "config": run_config, "name": run_dir.name}
+        if not id_file.exists():
+            run_id = secrets.token_hex(4)
+            id_file.write_text(run_id)
+            run = wandb.init(id=run_id, **common)
+        else:
+            run_id = id_file.read_text().strip()
+            try:  # rewind: the history past resume_step is dropped, then logged again
+                run = wandb.init(resume_from=f"{run_id}?_step={resume_step}", **common)
+            except wandb.errors.Error as e:  # a server without rewind: W&B ignores steps
+                log.warning("W&B cannot rewind run %s (%s): resuming it; the steps up to the "
+                            "last one it holds keep their first values", run_id, e)
+                run = wandb.init(id=run_id, resume="allow", **common)
         log.info("W&B run %s (%s) in %s", run_id, cfg.wandb_mode, run_dir / "wandb")
         return run
+
+    def note(self, key: str, text: str) -> None:
+        """A warning recorded with the next row (metrics.jsonl, W&B history) and in the W&B
+        run summary."""
+        if self.rank != 0:
+            return
+        self.notes[key] = text
+        if self.wandb_run is not None:
+            self.wandb_run.summary[key] = text
 
     def log(self, row: dict) -> None:
         if self.rank != 0:
             return
+        row = {**row, **self.notes}
+        self.notes = {}
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
                  for k, v in row.items()}
         self.rows.append(clean)
@@ -89,20 +117,3 @@ class MetricsLogger:
             self.wandb_run.finish()
             self.wandb_run = None
 
-
-def plot_run(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if isinstance(r.get("loss"), float)]
-    steps = [r["step"] for r in rows]
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax_loss.plot(steps, [r["loss"] for r in rows])
-    ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
-    ax_tps.plot(steps, [r["tokens_per_s"] for r in rows])
-    ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -76,3 +76,23 @@ def run_id(path: str | Path) -> str | None:
         if record.WhichOneof("record_type") == "run":
             return record.run.run_id
     return None
+
+
+def branch_point(path: str | Path) -> tuple[str, float] | None:
+    """(run id, step) the run file rewinds to (`wandb.init(resume_from=...)`), None if none."""
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "run" and record.run.HasField("branch_point"):
+            return record.run.branch_point.run, record.run.branch_point.value
+    return None
+
+
+def run_history(paths: list[str | Path]) -> list[dict]:
+    """The history a sequence of run files of one run adds up to once synced: a file that rewinds
+    to step s drops the rows past s before adding its own."""
+    rows: list[dict] = []
+    for path in paths:
+        rewind = branch_point(path)
+        if rewind is not None:
+            rows = [r for r in rows if r["_step"] <= rewind[1]]
+        rows += read_history(path)
+    return rows

@@ -1,26 +1,37 @@
-"""Causal softmax attention restricted to documents (SPEC section 3: the MLA core).
+"""Softmax attention restricted to documents (SPEC section 3: the MLA core; SPEC 6: MoonViT's
+per-image attention).
 
 Layout: q, k [B, T, H, Dqk], v [B, T, H, Dv] (Dv may differ from Dqk). `cu_seqlens` [N + 1]
-marks document boundaries over the flattened B*T tokens (model/batch.py); a token attends to the
-earlier tokens of its own document only. The output is fp32 (SPEC 3 keeps the attention output in
-fp32), computed from fp32 inputs. With `return_max_logit` the per-head maximum pre-softmax logit
-over the batch comes back too (detached, a device tensor: no sync), for QK-Clip.
+marks document boundaries over the flattened B*T tokens (model/batch.py: no document crosses a
+row); a token attends to the tokens of its own document only, and with `causal` to the earlier
+ones. The output is fp32 (SPEC 3 keeps the attention output in fp32). With `return_max_logit`
+the per-head maximum pre-softmax logit over the allowed positions of the batch comes back too
+(detached, a device tensor: no sync), for QK-Clip.
 
-Backends: "reference" (explicit scores, mask and softmax) and "sdpa"
-(F.scaled_dot_product_attention with a boolean mask; "auto" picks it). Shapes never depend on
-where documents end.
+Backends ("auto" picks the first that applies):
+- "varlen": flash attention over cu_seqlens (torch.nn.attention.varlen), CUDA, fp16/bf16 inputs.
+- "sdpa": F.scaled_dot_product_attention. Without cu_seqlens its fused kernel needs no mask and
+  its memory is linear in T; with cu_seqlens it takes a dense [B, 1, T, T] mask (quadratic, only
+  for short rows), so "auto" picks it only when cu_seqlens is None.
+- "blockwise": torch on any device, fp32, memory linear in T forward and backward (below).
+- "reference": explicit scores, dense mask and softmax; the plain version the tests compare to.
+Shapes never depend on where documents end.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from model.batch import segment_ids
 
-_BACKENDS = ("auto", "sdpa", "reference")
-# Query rows per block when the sdpa path computes the max logit: bounds the temporary scores.
-MAX_LOGIT_BLOCK = 1024
+_BACKENDS = ("auto", "varlen", "sdpa", "blockwise", "reference")
+# Blockwise tile: BLOCK_Q query rows against BLOCK_K keys, a [B, H, BLOCK_Q, BLOCK_K] fp32 score
+# tile at a time. Large enough that the Python loop costs little next to the tile's matmuls,
+# small enough that the tile's few temporaries stay near the CPU caches.
+BLOCK_Q = 256
+BLOCK_K = 512
 
 
 def doc_causal_attention(
@@ -33,31 +44,67 @@ def doc_causal_attention(
     return_max_logit: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Returns o [B, T, H, Dv] fp32 (and max_logit [H] when return_max_logit)."""
+    return segment_attention(q, k, v, cu_seqlens, scale, causal=True, backend=backend,
+                             return_max_logit=return_max_logit)
+
+
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    backend: str = "auto",
+    return_max_logit: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """doc_causal_attention with causality as a flag: causal=False attends to the whole segment
+    (MoonViT's images and video chunks); cu_seqlens None is one segment per row."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is invalid: must be one of {list(_BACKENDS)}")
     B, T, H, _ = q.shape
     if k.shape != q.shape or v.shape[:3] != (B, T, H):
         raise ValueError(f"q, k must be [B, T, H, Dqk] and v [B, T, H, Dv]: "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
-    need_mask = backend == "reference" or return_max_logit or cu_seqlens is not None
-    allowed = doc_causal_mask(cu_seqlens, B, T, q.device) if need_mask else None
-    if backend == "reference":
-        o, max_logit = _reference(qh, kh, vh, allowed, scale)
+    if backend == "auto":
+        backend = ("varlen" if _varlen_usable(q) else
+                   "sdpa" if cu_seqlens is None else "blockwise")
+    segments = None if cu_seqlens is None else segment_ids(cu_seqlens, B * T).view(B, T)
+    max_logit = None
+    if backend == "varlen":
+        if not _varlen_usable(q):
+            raise ValueError(f"backend='varlen' needs CUDA fp16/bf16 inputs, got {q.dtype} on "
+                             f"{q.device}: use backend='blockwise'")
+        o = _varlen(q, k, v, cu_seqlens, scale, causal)
     else:
-        o = _sdpa(qh, kh, vh, None if cu_seqlens is None else allowed, scale)
-        max_logit = _blockwise_max_logit(qh, kh, allowed, scale) if return_max_logit else None
-    o = o.transpose(1, 2)
-    return (o, max_logit) if return_max_logit else o
+        qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+        if backend == "blockwise":
+            o, max_logit = _BlockwiseAttention.apply(qh, kh, vh, _row_segments(segments),
+                                                     scale, causal)
+        elif backend == "reference":
+            allowed = dense_mask(segments, B, T, causal, q.device)
+            o, max_logit = _reference(qh, kh, vh, allowed, scale)
+        else:
+            mask = None if segments is None else dense_mask(segments, B, T, causal, q.device)
+            o = _sdpa(qh, kh, vh, mask, causal, scale)
+        o = o.transpose(1, 2)
+    if not return_max_logit:
+        return o
+    if max_logit is None:
+        max_logit = _blockwise_max_logit(q.transpose(1, 2), k.transpose(1, 2),
+                                         _row_segments(segments), scale, causal)
+    return o, max_logit
 
 
-def doc_causal_mask(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
-    """[B, 1, T, T] bool, True where query i may attend key j: same document and j <= i."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    if cu_seqlens is None:
-        return causal.expand(B, 1, T, T)
-    doc = segment_ids(cu_seqlens, B * T).view(B, 1, T)
-    return (doc.unsqueeze(-1) == doc.unsqueeze(-2)) & causal
+def dense_mask(segments: torch.Tensor | None, B: int, T: int, causal: bool,
+               device) -> torch.Tensor:
+    """[B, 1, T, T] bool, True where query i may attend key j: same segment (and j <= i)."""
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed.tril()
+    if segments is None:
+        return allowed.expand(B, 1, T, T)
+    return (segments[:, None, :, None] == segments[:, None, None, :]) & allowed
 
 
 def _reference(q, k, v, allowed, scale):
@@ -67,28 +114,177 @@ def _reference(q, k, v, allowed, scale):
     return torch.softmax(scores, dim=-1) @ v, max_logit
 
 
-def _sdpa(q, k, v, mask, scale):
-    """sdpa; without a mask (one document per row) is_causal lets it skip masked blocks."""
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if q.device.type == "cpu" and dqk != dv:
+def _pad_head_dims(q, k, v):
+    """q, k, v with one head dim (the larger): flash kernels need it. Zero columns change
+    neither q.k nor, after slicing back to Dv, the output."""
+    width = max(q.shape[-1], v.shape[-1])
+    return (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+
+
+def _sdpa(q, k, v, mask, causal, scale):
+    dv = v.shape[-1]
+    if q.device.type == "cpu" and q.shape[-1] != dv:
         # The CPU flash kernel needs equal head dims, else sdpa falls back to the math path with
-        # O(T^2) memory. Zero columns change neither q.k nor (after slicing) the output.
-        width = max(dqk, dv)
-        q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                       scale=scale)
+        # O(T^2) memory.
+        q, k, v = _pad_head_dims(q, k, v)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                       is_causal=causal and mask is None, scale=scale)
     return o[..., :dv]
 
 
+def _varlen_usable(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _varlen(q, k, v, cu_seqlens, scale, causal):
+    """Flash attention over the flattened B*T tokens; it skips other documents' key blocks in
+    the kernel. No document crosses a row, so T bounds every document length: max_q and max_k
+    are known without reading cu_seqlens on the host. Inputs stay in their half dtype (what the
+    kernel takes); the output is upcast to fp32."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, T, H, _ = q.shape
+    dv = v.shape[-1]
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, B * T + 1, T, device=q.device)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    q, k, v = (x.reshape(B * T, H, x.shape[-1]) for x in _pad_head_dims(q, k, v))
+    o = varlen_attn(q, k, v, cu, cu, T, T, scale=scale,
+                    window_size=(-1, 0) if causal else (-1, -1))
+    return o[..., :dv].float().view(B, T, H, dv)
+
+
+# --- blockwise -------------------------------------------------------------------------------
+# Which tiles are formed depends on shapes only (Python ints, no host sync): rows are the batch
+# dimension, so a tile never pairs two rows, and with `causal` a query block visits the key
+# blocks from its diagonal back to the row start, so tiles above the diagonal are never formed.
+# Tiles that fall wholly in other documents are computed and masked to -inf: skipping them
+# would need document bounds on the host (a sync) or data-dependent shapes. The waste is at most
+# the difference between T^2/2 and the sum of the documents' L^2/2; the varlen kernel on CUDA
+# skips such tiles inside the kernel instead.
+
+def _row_segments(segments: torch.Tensor | None) -> torch.Tensor | None:
+    """Segment ids counted from each row's first, as fp32 (what the tiles' masks use): a row holds
+    at most T segments, so they are exact while T <= 2^24."""
+    if segments is None:
+        return None
+    if segments.shape[1] > 2**24:
+        raise ValueError(f"T={segments.shape[1]} tokens per row exceeds the blockwise backend's "
+                         f"limit of 2^24")
+    return (segments - segments[:, :1]).float()
+
+
+def _query_blocks(T: int) -> list[tuple[int, int]]:
+    return [(start, min(start + BLOCK_Q, T)) for start in range(0, T, BLOCK_Q)]
+
+
+def _key_blocks(q_end: int, T: int, causal: bool) -> list[tuple[int, int]]:
+    """Key ranges a query block ending at q_end visits, nearest first: with `causal` the first
+    one holds the diagonal, so each row's running maximum is finite from the first tile on."""
+    end = q_end if causal else T
+    return [(max(stop - BLOCK_K, 0), stop) for stop in range(end, 0, -BLOCK_K)]
+
+
+def _forbidden_bias(x: torch.Tensor) -> torch.Tensor:
+    """In place: 0 where x == 0, -inf where x >= 1 (x >= 0). Float arithmetic (1 * 1e38 * -1e38
+    overflows to -inf) instead of a boolean compare and masked_fill, which are several times
+    slower on CPU."""
+    return x.mul_(1e38).mul_(-1e38)
+
+
+def _masked_scores(q_tile, k, segments, q_start, k_start, k_end, causal):
+    """Scores of an (already scaled) query tile [B, H, bq, D] against keys k_start:k_end,
+    -inf where the key is in another segment or (causal) after the query. `segments` [B, T]
+    are fp32 segment ids counted from each row's first (exact: T <= 2^24)."""
+    scores = q_tile @ k[:, :, k_start:k_end].transpose(-1, -2)
+    q_end = q_start + q_tile.shape[-2]
+    bias = None
+    if segments is not None:
+        bias = _forbidden_bias((segments[:, None, q_start:q_end, None]
+                                - segments[:, None, None, k_start:k_end]).abs_())
+    if causal and k_end > q_start:  # only the tile holding the diagonal has keys after queries
+        rows = torch.arange(q_start, q_end, device=scores.device, dtype=scores.dtype)
+        cols = torch.arange(k_start, k_end, device=scores.device, dtype=scores.dtype)
+        after = _forbidden_bias((cols - rows[:, None]).clamp_(min=0))
+        bias = after if bias is None else bias.add_(after)
+    return scores if bias is None else scores.add_(bias)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Online softmax over key tiles (flash attention); saves o and the per-row logsumexp only,
+    and the backward recomputes each tile's probabilities from them (flash attention 2).
+    Returns (o [B, H, T, Dv], max_logit [H]): the running row maxima are exact maxima of the
+    allowed logits, so QK-Clip's statistic comes for free."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segments, scale, causal):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        B, H, T, _ = q.shape
+        q_scaled = q * scale
+        o = q.new_empty(B, H, T, v.shape[-1])
+        lse = q.new_empty(B, H, T)
+        row_max = q.new_empty(B, H, T)
+        for q_start, q_end in _query_blocks(T):
+            q_tile = q_scaled[:, :, q_start:q_end]
+            m = q.new_full((B, H, q_end - q_start), float("-inf"))
+            denom = q.new_zeros(B, H, q_end - q_start)
+            acc = q.new_zeros(B, H, q_end - q_start, v.shape[-1])
+            for k_start, k_end in _key_blocks(q_end, T, causal):
+                scores = _masked_scores(q_tile, k, segments, q_start, k_start, k_end, causal)
+                m_new = torch.maximum(m, scores.amax(dim=-1))
+                # A row with no allowed key yet (non-causal: its segment lies elsewhere) keeps
+                # m = -inf; shifting by 0 there gives exp(-inf) = 0 instead of NaN.
+                shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
+                p = scores.sub_(shift.unsqueeze(-1)).exp_()  # in place: one tile buffer
+                rescale = torch.exp(m - shift)
+                denom = denom * rescale + p.sum(dim=-1)
+                acc = acc * rescale.unsqueeze(-1) + p @ v[:, :, k_start:k_end]
+                m = m_new
+            o[:, :, q_start:q_end] = acc / denom.unsqueeze(-1)
+            lse[:, :, q_start:q_end] = m + denom.log()
+            row_max[:, :, q_start:q_end] = m
+        ctx.save_for_backward(q, k, v, segments, o, lse)
+        ctx.scale, ctx.causal = scale, causal
+        max_logit = row_max.amax(dim=(0, 2))
+        ctx.mark_non_differentiable(max_logit)
+        return o, max_logit
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_o, _grad_max_logit):
+        q, k, v, segments, o, lse = ctx.saved_tensors
+        scale, causal = ctx.scale, ctx.causal
+        T = q.shape[-2]
+        q_scaled = q * scale
+        grad_o = grad_o.contiguous()
+        delta = (grad_o * o).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for q_start, q_end in _query_blocks(T):
+            q_tile = q_scaled[:, :, q_start:q_end]
+            do_tile = grad_o[:, :, q_start:q_end]
+            lse_tile = lse[:, :, q_start:q_end].unsqueeze(-1)
+            delta_tile = delta[:, :, q_start:q_end]
+            dq_tile = dq[:, :, q_start:q_end]
+            for k_start, k_end in _key_blocks(q_end, T, causal):
+                keys = slice(k_start, k_end)
+                scores = _masked_scores(q_tile, k, segments, q_start, k_start, k_end, causal)
+                p = scores.sub_(lse_tile).exp_()
+                dv[:, :, keys].add_(p.transpose(-1, -2) @ do_tile)
+                ds = (do_tile @ v[:, :, keys].transpose(-1, -2)).sub_(delta_tile).mul_(p)
+                dq_tile.add_(ds @ k[:, :, keys])
+                dk[:, :, keys].add_(ds.transpose(-1, -2) @ q_tile)
+        return dq * scale, dk, dv, None, None, None
+
+
 @torch.no_grad()
-def _blockwise_max_logit(q, k, allowed, scale):
-    """Per-head max of the allowed logits, one block of query rows at a time; keys after a
-    block's last row are causally masked, so they are skipped (about half of one Q K^T)."""
+def _blockwise_max_logit(q, k, segments, scale, causal):
+    """Per-head max of the allowed logits over the same tiles, for the backends that do not
+    report it (one extra Q K^T, no dense mask)."""
+    q, k = q.float(), k.float()
     T = q.shape[-2]
-    block_maxima = []
-    for start in range(0, T, MAX_LOGIT_BLOCK):
-        end = min(start + MAX_LOGIT_BLOCK, T)
-        scores = (q[..., start:end, :] @ k[..., :end, :].transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~allowed[..., start:end, :end], float("-inf"))
-        block_maxima.append(scores.amax(dim=(0, 2, 3)))
-    return torch.stack(block_maxima).amax(dim=0)
+    maxima = [
+        _masked_scores(q[:, :, q_start:q_end] * scale, k, segments, q_start, k_start, k_end,
+                       causal).amax(dim=(0, 2, 3))
+        for q_start, q_end in _query_blocks(T) for k_start, k_end in _key_blocks(q_end, T, causal)
+    ]
+    return torch.stack(maxima).amax(dim=0)

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.batch import segment_ids
 from model.config import VisionConfig
 from model.norms import RMSNorm
+from model.ops.attention import segment_attention
 from model.vision.layout import VisionLayout
 from model.vision.rope import apply_axial_rope, axial_rope_angles
 
@@ -19,24 +19,6 @@ def interpolate_pos_table(table: torch.Tensor, rows: int, cols: int) -> torch.Te
     grid = table.permute(2, 0, 1).unsqueeze(0)
     resized = F.interpolate(grid, size=(rows, cols), mode="bilinear", align_corners=False)
     return resized[0].flatten(1).transpose(0, 1)
-
-
-def segment_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[total, total] bool, True where query and key lie in the same segment."""
-    segments = segment_ids(cu_seqlens, total)
-    return segments.unsqueeze(1) == segments.unsqueeze(0)
-
-
-def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             mask: torch.Tensor) -> torch.Tensor:
-    """Non-causal attention of [P, H, D] inputs restricted by a [P, P] segment mask.
-
-    The dense mask costs P^2 bytes; fine for the vision batches this project packs. A varlen
-    flash kernel taking cu_seqlens is the drop-in replacement when P grows.
-    """
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                         v.transpose(0, 1), attn_mask=mask)
-    return out.transpose(0, 1)
 
 
 class VisionAttention(nn.Module):
@@ -49,12 +31,17 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, width, bias=False)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: torch.Tensor,
+                cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Non-causal attention within each image / video chunk of the packed [P, hidden] x:
+        the packed sequence is one row of segment_attention, so no P x P mask is formed."""
         heads = (x.shape[0], -1, self.head_dim)  # local heads when q/k/v are head-sharded
         q = apply_axial_rope(self.q_proj(x).view(heads), angles)
         k = apply_axial_rope(self.k_proj(x).view(heads), angles)
         v = self.v_proj(x).view(heads)
-        return self.o_proj(block_diagonal_attention(q, k, v, mask).flatten(1))
+        o = segment_attention(q[None], k[None], v[None], cu_seqlens, self.head_dim ** -0.5,
+                              causal=False)
+        return self.o_proj(o[0].flatten(1).to(x.dtype))
 
 
 class VisionMLP(nn.Module):
@@ -75,8 +62,9 @@ class VisionBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), angles, mask)
+    def forward(self, x: torch.Tensor, angles: torch.Tensor,
+                cu_seqlens: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), angles, cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -110,7 +98,6 @@ class MoonViTEncoder(nn.Module):
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
         x = x + self.position_embedding(layout).to(x.dtype)
         angles = axial_rope_angles(layout.rows, layout.cols, self.cfg.head_dim, self.cfg.rope_theta)
-        mask = segment_mask(layout.cu_seqlens, layout.num_patches)
         for block in self.blocks:
-            x = block(x, angles, mask)
+            x = block(x, angles, layout.cu_seqlens)
         return self.final_norm(x)
