@@ -48,11 +48,12 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 def split_layers(layer_costs: Sequence[float], num_stages: int,
                  head_cost: float = 0.0) -> list[range]:
     """Contiguous layer ranges, one per stage, minimising the most expensive stage (the last
-    one also pays `head_cost`); every stage gets at least one layer. Exact (binary search over
-    the split points by dynamic programming; the stack has at most ~100 layers)."""
+    one also pays `head_cost`); every stage gets at least one layer. Exact: dynamic programming
+    over the split points, O(stages * layers^2), nothing for ~100 layers."""
     n = len(layer_costs)
     if not 1 <= num_stages <= n:
-        raise ValueError(f"{num_stages} pipeline stages need 1..{n} layers each stage >= 1")
+        raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} layers "
+                         f"(one per stage), the model has {n}")
     prefix = [0.0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)
@@ -137,11 +138,14 @@ def prune_to_stages(model: K3Model, splits: Sequence[range], ids: Sequence[int])
 
 
 class PipelineStep:
-    """This rank's stages and schedule for micro-batches of shape `micro_batch` (rows, tokens);
-    `step(micro_batches, global_tokens)` runs forward and
-    backward of one optimizer step and returns this rank's share of the step's loss (the last
-    stage's summed token loss over `global_tokens`; zero elsewhere: sum it over the pipeline
-    group to log it, see `step_loss`)."""
+    """This rank's stages and schedule for micro-batches of shape `micro_batch` (rows, tokens).
+
+    `model` is the whole single-process model built with the run's seed (so every stage starts
+    from the single-process weights); it is pruned in place to this rank's stages and kept as
+    `self.model` for the optimizer, checkpoints and the MoE/MLA bookkeeping.
+    `step(micro_batches, global_tokens)` runs forward and backward of one optimizer step and
+    returns this rank's share of the step's loss (the last stage's summed token loss over
+    `global_tokens`; zero elsewhere: sum it over the pipeline group, see `step_loss`)."""
 
     def __init__(self, model: K3Model, layer_costs: Sequence[float], head_cost: float,
                  pp_group, schedule: str, virtual_stages: int, n_microbatches: int,
