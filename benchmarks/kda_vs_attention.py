@@ -1,15 +1,30 @@
-"""CPU forward+backward time and peak memory of the KDA chunk form, the KDA recurrence and the
-MLA attention core (doc_causal_attention, sdpa backend) as the sequence grows.
+"""CPU forward+backward time and peak memory of the KDA chunk form (K3's bounded gate, and the
+exact form any gate takes), the KDA recurrence and the MLA attention core (doc_causal_attention,
+sdpa backend) as the sequence grows, with the chunk form's FLOP rate against the matmul peak.
 
-    python -m benchmarks.kda_vs_attention --T 1024 4096 16384 --max-recurrent-T 4096
+    python -m benchmarks.kda_vs_attention --T 1024 4096 16384
 
-Each measurement runs in its own subprocess. Peak memory is the growth of the process's
-resident-set high-water mark (getrusage ru_maxrss) from just before the first forward to the end
-of the first backward, after imports and inputs exist. That counts every byte the op keeps
-resident at its worst moment: autograd's saved tensors, temporaries, allocator slack. torch's CPU
-allocator returns large blocks to the OS, so this tracks real use; tracemalloc cannot see torch's
-allocations and a parent-process RSS mixes measurements, hence one process each.
-Time is the median of --repeats runs after that first (warm-up) run.
+Each measurement runs in its own subprocess, one thread. Peak memory is the growth of the
+process's resident-set high-water mark (getrusage ru_maxrss) from just before the first forward
+to the end of the first backward, after imports and inputs exist. That counts every byte the op
+keeps resident at its worst moment: autograd's saved tensors, temporaries, allocator slack.
+torch's CPU allocator returns large blocks to the OS, so this tracks real use; tracemalloc cannot
+see torch's allocations and a parent-process RSS mixes measurements, hence one process each.
+Time is the median of --repeats runs after that first (warm-up) run; kda_recurrent (a Python
+loop over tokens, with nothing to warm up) is timed on that first run unless
+--recurrent-repeats is set.
+
+The machine is shared, and its load changes within minutes, so the two headline ratios are
+measured side by side in one process. Speed-up over the recurrence: a separate worker runs
+kda_chunk (a warm-up and --repeats timed runs), one kda_recurrent pass, kda_chunk again
+(--repeats runs), all on inputs of the same shapes, and reports the recurrent time / the median
+of the chunk runs around it. Share of the matmul peak:
+around every timed run the worker times a 1024 x 1024 x 1024 fp32 matmul on its thread (best of
+2 before and 2 after); each run's FLOP rate is divided by the mean of its two neighbouring peaks
+and the median over the runs is shown. The chunk form's FLOPs are counted analytically
+(chunk_flops: every matmul and triangular solve it runs, forward and backward, masked entries
+included) and checked against torch's FlopCounterMode, which counts the matmuls but not the
+triangular solves.
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import statistics
 import subprocess
@@ -26,7 +42,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-METHODS = ("kda_chunk", "kda_recurrent", "mla_attention")
+METHODS = ("kda_chunk", "kda_chunk_exact", "kda_recurrent", "mla_attention")
+K3_LOWER_BOUND = -5.0
+CHUNK = 64
 
 
 def make_step(method: str, T: int, args):
@@ -45,20 +63,89 @@ def make_step(method: str, T: int, args):
             doc_causal_attention(q, k, v, cu_seqlens, scale, backend="sdpa").sum().backward()
 
         return step
-    from model.ops.kda import kda_chunk, kda_recurrent
-
-    fn = kda_chunk if method == "kda_chunk" else kda_recurrent
-    H, D = args.kda_heads, args.kda_dim
-    q, k = (F.normalize(torch.randn(1, T, H, D), dim=-1).requires_grad_() for _ in range(2))
-    v = torch.randn(1, T, H, D, requires_grad=True)
-    g = (-5 * torch.sigmoid(torch.randn(1, T, H, D))).requires_grad_()  # the K3 gate
-    beta = torch.rand(1, T, H, requires_grad=True)
+    inputs = kda_inputs(T, args)
+    fn = kda_function(method)
 
     def step():
-        o, _ = fn(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        o, _ = fn(**inputs, cu_seqlens=cu_seqlens, chunk_size=CHUNK)
         o.sum().backward()
 
     return step
+
+
+def kda_inputs(T: int, args) -> dict:
+    H, D = args.kda_heads, args.kda_dim
+    q, k = (F.normalize(torch.randn(1, T, H, D), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(1, T, H, D, requires_grad=True)
+    g = (K3_LOWER_BOUND * torch.sigmoid(torch.randn(1, T, H, D))).requires_grad_()  # K3 gate
+    beta = torch.rand(1, T, H, requires_grad=True)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+
+
+def kda_function(method: str):
+    import functools
+
+    from model.ops.kda import kda_chunk, kda_recurrent
+
+    if method == "kda_chunk":  # what the K3 layer runs: its gate's bound passed through
+        return functools.partial(kda_chunk, lower_bound=K3_LOWER_BOUND, backend="torch")
+    if method == "kda_chunk_exact":  # the form for unbounded gates (Kimi Linear's)
+        return functools.partial(kda_chunk, backend="torch")
+    return kda_recurrent
+
+
+def chunk_flops(T: int, H: int, K: int, V: int, C: int = CHUNK, solves: bool = True) -> int:
+    """FLOPs of kda_chunk's bounded form, forward + backward, B = 1, no states in or out
+    (2 per multiply-add), as its matmuls and triangular solves run them, masked entries included.
+
+    Per chunk and head, forward: scores, [2C, K] x [K, C] over the n = C/16 row tiles (C rows of
+    q and C of k, each against all C keys: 4 C^2 K); the unit-triangular inverse (a solve against
+    I: C^3); U and W (2 C^2 V + 2 C^2 K); the state pass, W S and K^T Vn (4 C K V); the output,
+    (Q exp(G)) S and Aqk Vn (2 C K V + 2 C^2 V). Backward: two matmuls for each of the state
+    pass's and the output's (12 C K V + 4 C^2 V), then the custom backward: dweighted, dV and
+    d(k exp(G)) (4 C^2 V + 4 C^2 K), dM (two C^3 matmuls: 4 C^3), dkeys and drows (8 C^2 K).
+    """
+    fwd = 6 * C * C * K + 4 * C * C * V + 6 * C * K * V + (C ** 3 if solves else 0)
+    bwd = 12 * C * K * V + 8 * C * C * V + 12 * C * C * K + 4 * C ** 3
+    return (fwd + bwd) * -(-T // C) * H
+
+
+def counted_flops(T: int, args) -> int:
+    """The bounded chunk form's fwd + bwd matmul FLOPs as torch's FlopCounterMode sees them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    inputs = kda_inputs(T, args)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        o, _ = kda_function("kda_chunk")(**inputs, cu_seqlens=torch.tensor([0, T]),
+                                         chunk_size=CHUNK)
+        o.sum().backward()
+    return counter.get_total_flops()
+
+
+def matmul_peak_gflops(n: int = 1024, tries: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(tries):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
+
+
+def timed_runs(step, repeats: int) -> list[tuple[float, float]]:
+    """(seconds, mean matmul peak just before and after) for each of `repeats` runs."""
+    runs = []
+    peak_before = matmul_peak_gflops(tries=2)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+        peak_after = matmul_peak_gflops(tries=2)
+        runs.append((seconds, (peak_before + peak_after) / 2))
+        peak_before = peak_after
+    return runs
 
 
 def measure(method: str, T: int, args) -> dict:
@@ -66,14 +153,29 @@ def measure(method: str, T: int, args) -> dict:
     torch.set_num_threads(args.threads)
     step = make_step(method, T, args)
     before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
     step()
+    first_s = time.perf_counter() - start
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"time_s": statistics.median(times), "peak_mib": peak_kb / 1024}
+    repeats = args.recurrent_repeats if method == "kda_recurrent" else args.repeats
+    runs = timed_runs(step, repeats)
+    result = {"time_s": statistics.median(s for s, _ in runs) if runs else first_s,
+              "timed_runs": max(len(runs), 1), "peak_mib": peak_kb / 1024, "runs": runs}
+    return result
+
+
+def measure_speedup(T: int, args) -> dict:
+    """Runs inside its own worker: kda_chunk runs around one kda_recurrent pass."""
+    torch.set_num_threads(args.threads)
+    chunk_step = make_step("kda_chunk", T, args)
+    recurrent_step = make_step("kda_recurrent", T, args)
+    chunk_step()
+    chunk_s = [s for s, _ in timed_runs(chunk_step, args.repeats)]
+    start = time.perf_counter()
+    recurrent_step()
+    recurrent_s = time.perf_counter() - start
+    chunk_s += [s for s, _ in timed_runs(chunk_step, args.repeats)]
+    return {"recurrent_s": recurrent_s, "chunk_s": statistics.median(chunk_s)}
 
 
 def run_worker(method: str, T: int, argv: list[str]) -> dict:
@@ -84,23 +186,25 @@ def run_worker(method: str, T: int, argv: list[str]) -> dict:
 
 
 def growth_exponent(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope of log(time) against log(T)."""
+    """Least-squares slope of log(y) against log(T)."""
     if len(points) < 2:
         return None
     xs = [math.log(T) for T, _ in points]
-    ys = [math.log(t) for _, t in points]
+    ys = [math.log(y) for _, y in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     return (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
             / sum((x - mx) ** 2 for x in xs))
 
 
 def print_table(results: dict, args) -> None:
-    print(f"threads={args.threads}  repeats={args.repeats}  "
-          f"KDA: H={args.kda_heads} K=V={args.kda_dim} chunk=64 (torch path)  "
+    H, D = args.kda_heads, args.kda_dim
+    print(f"threads={args.threads}  repeats={args.repeats} (kda_recurrent: "
+          f"{args.recurrent_repeats or 'its first run'})  KDA: H={H} K=V={D} chunk={CHUNK} "
+          f"(torch paths; kda_chunk: lower_bound={K3_LOWER_BOUND})  "
           f"MLA core: H={args.mla_heads} Dqk={args.mla_qk_dim} Dv={args.mla_v_dim} (sdpa)")
     print("forward+backward, B=1, one document of T tokens given as cu_seqlens")
-    header = f"{'T':>7} {'method':<15} {'time [s]':>10} {'peak [MiB]':>11} " \
-             f"{'t/kda_chunk':>12} {'mem/kda_chunk':>14}"
+    header = (f"{'T':>7} {'method':<16} {'time [s]':>9} {'peak [MiB]':>11} {'t/kda_chunk':>12} "
+              f"{'mem/kda_chunk':>14} {'GFLOP/s':>8} {'mm peak':>8} {'of peak':>8}")
     print(header)
     print("-" * len(header))
     for T in args.T:
@@ -108,18 +212,45 @@ def print_table(results: dict, args) -> None:
         for method in METHODS:
             r = results.get((method, T))
             if r is None:
-                print(f"{T:>7} {method:<15} {'skipped (> --max-recurrent-T)':>35}")
+                if method in args.methods:
+                    print(f"{T:>7} {method:<16} {'skipped (> --max-recurrent-T)':>35}")
                 continue
             t_ratio = f"{r['time_s'] / base['time_s']:.2f}x"
             m_ratio = f"{r['peak_mib'] / base['peak_mib']:.2f}x" if base["peak_mib"] > 0 else "-"
-            print(f"{T:>7} {method:<15} {r['time_s']:>10.3f} {r['peak_mib']:>11.1f} "
-                  f"{t_ratio:>12} {m_ratio:>14}")
-    print("\ngrowth exponent (slope of log time vs log T over the measured T):")
-    for method in METHODS:
-        points = [(T, results[(method, T)]["time_s"]) for T in args.T if (method, T) in results]
-        slope = growth_exponent(points)
-        shown = "n/a (fewer than 2 points)" if slope is None else f"{slope:.2f}"
-        print(f"  {method:<15} {shown}   (T measured: {[T for T, _ in points]})")
+            rate = share = "-"
+            peak = f"{statistics.median(p for _, p in r['runs']):.1f}" if r["runs"] else "-"
+            if method == "kda_chunk":
+                flops = chunk_flops(T, H, D, D)
+                rate = f"{flops / r['time_s'] / 1e9:.1f}"
+                share = f"{statistics.median(flops / s / 1e9 / p for s, p in r['runs']):.0%}"
+            print(f"{T:>7} {method:<16} {r['time_s']:>9.3f} {r['peak_mib']:>11.1f} "
+                  f"{t_ratio:>12} {m_ratio:>14} {rate:>8} {peak:>8} {share:>8}")
+    print("\nkda_chunk speed-up over kda_recurrent, side by side in one worker (one recurrent "
+          "pass / the median of the kda_chunk runs before and after it):")
+    for T in args.T:
+        if ("speedup", T) in results:
+            r = results[("speedup", T)]
+            print(f"  T={T:>6}: {r['recurrent_s'] / r['chunk_s']:.1f}x  "
+                  f"({r['recurrent_s']:.2f} s / {r['chunk_s']:.3f} s)")
+    print("\ngrowth exponents (slope of log y vs log T over the measured T):")
+    for method in (m for m in METHODS if m in args.methods):
+        measured = [T for T in args.T if (method, T) in results]
+        for what in ("time_s", "peak_mib"):
+            points = [(T, results[(method, T)][what]) for T in measured
+                      if results[(method, T)][what] > 0]
+            slope = growth_exponent(points)
+            shown = "n/a (fewer than 2 points)" if slope is None else f"{slope:.2f}"
+            print(f"  {method:<16} {what.split('_')[0]:<5} {shown}   (T measured: {measured})")
+
+
+def print_flop_check(args) -> None:
+    T = 4 * CHUNK
+    H, D = args.kda_heads, args.kda_dim
+    counted = counted_flops(T, args)
+    analytic = chunk_flops(T, H, D, D, solves=False)
+    print(f"\nFLOP count check at T={T}: chunk_flops without its triangular solves {analytic:,} "
+          f"vs FlopCounterMode {counted:,} (ratio {counted / analytic:.3f}); with the solves "
+          f"chunk_flops = {chunk_flops(T, H, D, D):,}")
 
 
 def parse_args(argv=None):
@@ -127,8 +258,11 @@ def parse_args(argv=None):
     p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--max-recurrent-T", type=int, default=16384,
                    help="skip kda_recurrent above this T (a Python loop over tokens)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--recurrent-repeats", type=int, default=0,
+                   help="timed runs of kda_recurrent after its first (0: time the first)")
     p.add_argument("--kda-heads", type=int, default=4)
     p.add_argument("--kda-dim", type=int, default=128, help="d_k = d_v (K3: 128)")
     p.add_argument("--mla-heads", type=int, default=4)
@@ -143,17 +277,30 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         method, T = args.worker
-        print(json.dumps(measure(method, int(T), args)))
+        if method == "speedup":
+            print(json.dumps(measure_speedup(int(T), args)))
+        else:
+            print(json.dumps(measure(method, int(T), args)))
         return
+    if "kda_chunk" not in args.methods:
+        raise SystemExit("--methods must include kda_chunk (every ratio is against it)")
+    print(f"load average before: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     results = {}
     for T in args.T:
-        for method in METHODS:
+        for method in (m for m in METHODS if m in args.methods):
             if method == "kda_recurrent" and T > args.max_recurrent_T:
                 continue
             results[(method, T)] = run_worker(method, T, argv)
             print(f"  measured {method} T={T}: {results[(method, T)]}", file=sys.stderr,
                   flush=True)
+        if "kda_recurrent" in args.methods and T <= args.max_recurrent_T:
+            results[("speedup", T)] = run_worker("speedup", T, argv)
+            print(f"  measured speedup T={T}: {results[('speedup', T)]}", file=sys.stderr,
+                  flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     print_table(results, args)
+    torch.set_num_threads(args.threads)
+    print_flop_check(args)
 
 
 if __name__ == "__main__":

@@ -79,14 +79,17 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.beta_proj(x).float())
         z = (self.decay_up(self.decay_down(x)) + self.decay_bias).view(heads)
         g = kda_gate(z, self.a_log, self.gate_kind, self.lower_bound)
+        # Only the K3 gate has a bound (fla's safe-gate kernel, the torch path's dense sub-tiles).
+        bound = self.lower_bound if self.gate_kind == "lower_bound" else None
         if cu_seqlens is not None:  # all rows as one packed sequence with document boundaries
             flat = (1, b * t, -1, hd)
             o, _ = kda_chunk(q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
                              beta.reshape(1, b * t, -1), cu_seqlens=cu_seqlens,
-                             chunk_size=self.chunk_size, backend=self.backend)
+                             chunk_size=self.chunk_size, backend=self.backend, lower_bound=bound)
             o = o.view(heads)
         else:
-            o, _ = kda_chunk(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend)
+            o, _ = kda_chunk(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend,
+                             lower_bound=bound)
         o = rms_norm(o.float(), self.out_norm_weight, self.norm_eps)
         o = torch.sigmoid(self.gate_proj(x).float()).view(heads) * o
         return self.o_proj(o.reshape(b, t, -1).to(x.dtype))

@@ -1,7 +1,9 @@
 """kda_chunk (chunkwise, static shapes) against kda_recurrent (the reference recurrence):
 outputs, final states and gradients of every input, for the gates, betas and document layouts
-the model produces."""
+the model produces. Each case runs both torch forms: the exact one for any gate (lower_bound=None)
+and the factorised sub-tiles for K3's gate bounded at -5."""
 
+import functools
 import importlib.util
 
 import pytest
@@ -10,12 +12,16 @@ import torch.nn.functional as F
 
 import model.ops.kda as kda_ops
 from model.batch import cu_seqlens_from_lengths
+from model.config import KDAConfig, k3_tiny, replace
+from model.kda import KimiDeltaAttention
 from model.ops.kda import kda_chunk, kda_recurrent
 from tests.static_shapes import assert_static, record
 from tests.tolerances import assert_close_rms
 
 TOL = 5e-3  # DESIGN.md section 5: fp32 outputs and states; gradients held to the same bound
 H, K, V = 2, 32, 32
+BOUND = -5.0  # K3's gate
+both_forms = pytest.mark.parametrize("lower_bound", [None, BOUND], ids=["exact", "bounded"])
 
 
 def make_inputs(B, T, gate="k3", beta_range=(0.0, 1.0), num_states=None):
@@ -65,35 +71,41 @@ def assert_all_close(ref, got):
         assert_close_rms(ref[name], got[name], TOL, name)
 
 
-def compare_chunk_to_recurrent(inputs, num_states, **kwargs):
+def compare_chunk_to_recurrent(inputs, num_states, lower_bound=None, **kwargs):
     cot = cotangents_for(inputs, num_states)
     ref = run(kda_recurrent, inputs, cot, **kwargs)
-    got = run(kda_chunk, inputs, cot, **kwargs)
+    got = run(functools.partial(kda_chunk, lower_bound=lower_bound), inputs, cot, **kwargs)
     assert_all_close(ref, got)
     return ref, got
 
 
+@both_forms
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_chunk_matches_recurrent_with_ragged_tail_and_initial_state(chunk_size):
+def test_chunk_matches_recurrent_with_ragged_tail_and_initial_state(chunk_size, lower_bound):
     inputs = make_inputs(B=2, T=100, num_states=2)  # 100 is not a multiple of either chunk
-    compare_chunk_to_recurrent(inputs, 2, chunk_size=chunk_size)
+    compare_chunk_to_recurrent(inputs, 2, lower_bound, chunk_size=chunk_size)
 
 
-def test_chunk_matches_recurrent_without_initial_state():
+@both_forms
+def test_chunk_matches_recurrent_without_initial_state(lower_bound):
     inputs = make_inputs(B=1, T=70)
-    compare_chunk_to_recurrent(inputs, 1)
+    compare_chunk_to_recurrent(inputs, 1, lower_bound)
 
 
+@both_forms
 @pytest.mark.parametrize("gate", ["floor", "k3"])
-def test_gate_at_the_lower_bound(gate):
+def test_gate_at_the_lower_bound(gate, lower_bound):
     inputs = make_inputs(B=1, T=130, gate=gate, num_states=1)
-    compare_chunk_to_recurrent(inputs, 1)
+    if gate == "floor":  # every token at the bound: each 16-token tile decays by exactly exp(-80)
+        assert (inputs["g"] == BOUND).all()
+    compare_chunk_to_recurrent(inputs, 1, lower_bound)
 
 
+@both_forms
 @pytest.mark.parametrize("beta_range", [(1e-4, 1e-3), (0.999, 1.0)], ids=["near0", "near1"])
-def test_beta_extremes(beta_range):
+def test_beta_extremes(beta_range, lower_bound):
     inputs = make_inputs(B=1, T=130, beta_range=beta_range, num_states=1)
-    compare_chunk_to_recurrent(inputs, 1)
+    compare_chunk_to_recurrent(inputs, 1, lower_bound)
 
 
 def test_unbounded_kimi_linear_gate_stays_finite_and_matches():
@@ -104,16 +116,92 @@ def test_unbounded_kimi_linear_gate_stays_finite_and_matches():
     compare_chunk_to_recurrent(inputs, 1)
 
 
+def spy_on_forms(monkeypatch):
+    """Records which torch form kda_chunk runs: "exact" (_intra_chunk) or "bounded"."""
+    calls = []
+    exact, bounded = kda_ops._intra_chunk, kda_ops._BoundedIntraChunk
+
+    def exact_spy(*args):
+        calls.append("exact")
+        return exact(*args)
+
+    class BoundedSpy:
+        @staticmethod
+        def apply(*args):
+            calls.append("bounded")
+            return bounded.apply(*args)
+
+    monkeypatch.setattr(kda_ops, "_intra_chunk", exact_spy)
+    monkeypatch.setattr(kda_ops, "_BoundedIntraChunk", BoundedSpy)
+    return calls
+
+
+@pytest.mark.parametrize("gate, lower_bound, form", [
+    ("kimi_linear", None, "exact"),
+    ("k3", BOUND, "bounded"),
+    ("k3", -8.0, "exact"),  # looser than the safe range [-5, 0): no fp32 headroom to factorise
+])
+def test_each_gate_takes_its_form(monkeypatch, gate, lower_bound, form):
+    calls = spy_on_forms(monkeypatch)
+    inputs = make_inputs(B=1, T=70, gate=gate, num_states=1)
+    compare_chunk_to_recurrent(inputs, 1, lower_bound)
+    assert calls == [form]
+
+
+def test_gate_below_the_bound_is_clamped_to_it():
+    """lower_bound is a promise; the bounded form holds g at the bound where a gate breaks it
+    (finite, and the recurrence of the clamped gate, with no gradient where it clamped)."""
+    inputs = make_inputs(B=1, T=130, gate="kimi_linear", num_states=1)
+    assert (inputs["g"] < BOUND).float().mean() > 0.2
+    cot = cotangents_for(inputs, 1)
+
+    def recurrent_of_clamped(g, **kwargs):
+        return kda_recurrent(g=g.clamp(min=BOUND), **kwargs)
+
+    ref = run(recurrent_of_clamped, inputs, cot)
+    got = run(functools.partial(kda_chunk, lower_bound=BOUND), inputs, cot)
+    assert_all_close(ref, got)
+    assert (got["dg"][inputs["g"].detach() < BOUND] == 0).all()
+
+
+def test_lower_bound_must_be_negative():
+    inputs = {name: x.detach() for name, x in make_inputs(B=1, T=20).items()}
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_chunk(**inputs, lower_bound=0.0)
+
+
+@pytest.mark.parametrize("gate, bound", [("lower_bound", BOUND), ("kimi_linear", None)])
+def test_layer_passes_only_the_k3_gate_bound(monkeypatch, gate, bound):
+    import model.kda as kda_layer
+
+    seen = []
+
+    def recording_kda_chunk(*args, **kwargs):
+        seen.append(kwargs["lower_bound"])
+        return kda_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(kda_layer, "kda_chunk", recording_kda_chunk)
+    cfg = k3_tiny()
+    cfg = replace(cfg, kda=KDAConfig(**{**cfg.kda.__dict__, "gate": gate}))
+    layer = KimiDeltaAttention(cfg)
+    x = torch.randn(1, 40, cfg.hidden_size)
+    layer(x, None, None)
+    layer(x, torch.tensor([0, 15, 40]), torch.tensor([[0] * 15 + [1] * 25]))
+    assert seen == [bound, bound]
+
+
 # Uneven documents: shorter than a chunk, one over several chunks, unaligned boundaries, and a
 # layout with an empty document (its final state is its initial state).
+@both_forms
 @pytest.mark.parametrize("lengths", [(5, 150, 30, 17), (40, 0, 70, 1)])
-def test_packed_documents_equal_each_document_alone(lengths):
+def test_packed_documents_equal_each_document_alone(lengths, lower_bound):
     T = sum(lengths)
     cu_seqlens = cu_seqlens_from_lengths([list(lengths)], T)
     N = len(lengths)
     inputs = make_inputs(B=1, T=T, num_states=N)
     cot = cotangents_for(inputs, N)
-    packed = run(kda_chunk, inputs, cot, cu_seqlens=cu_seqlens)
+    packed = run(functools.partial(kda_chunk, lower_bound=lower_bound), inputs, cot,
+                 cu_seqlens=cu_seqlens)
 
     alone = {name: [] for name in packed}
     bounds = cu_seqlens.tolist()
@@ -133,11 +221,25 @@ def test_packed_documents_equal_each_document_alone(lengths):
     assert_all_close(run(kda_recurrent, inputs, cot, cu_seqlens=cu_seqlens), packed)
 
 
+@both_forms
+def test_packed_documents_final_states_without_initial_states(lower_bound):
+    lengths = (5, 150, 30, 17)
+    T = sum(lengths)
+    cu_seqlens = cu_seqlens_from_lengths([list(lengths)], T)
+    inputs = make_inputs(B=1, T=T)
+    cot = cotangents_for(inputs, len(lengths))
+    ref = run(kda_recurrent, inputs, cot, cu_seqlens=cu_seqlens)
+    got = run(functools.partial(kda_chunk, lower_bound=lower_bound), inputs, cot,
+              cu_seqlens=cu_seqlens)
+    assert_all_close(ref, got)
+
+
 # Training's case (no states in or out): documents share chunks and are separated by masks.
 # Several documents inside one chunk, one over several chunks, empty slots as the loader pads.
+@both_forms
 @pytest.mark.parametrize("lengths", [(5, 150, 30, 17), (3, 4, 0, 9, 2, 60, 0, 0, 1),
                                      (64, 64, 1, 63)])
-def test_packed_documents_without_states_equal_each_document_alone(lengths):
+def test_packed_documents_without_states_equal_each_document_alone(lengths, lower_bound):
     T = sum(lengths)
     cu_seqlens = cu_seqlens_from_lengths([list(lengths)], T)
     inputs = make_inputs(B=1, T=T)
@@ -153,36 +255,41 @@ def test_packed_documents_without_states_equal_each_document_alone(lengths):
 
     ref = outputs_and_grads(kda_recurrent, cu_seqlens=cu_seqlens)
     for chunk_size in (16, 64):
-        got = outputs_and_grads(kda_chunk, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        got = outputs_and_grads(kda_chunk, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                lower_bound=lower_bound)
         assert_all_close(ref, got)
 
 
-def test_packed_documents_without_states_cost_no_padding():
+@both_forms
+def test_packed_documents_without_states_cost_no_padding(lower_bound):
     """Empty document slots must not grow the work: the chunked buffer is ceil(T / C) chunks."""
     T, chunk = 96, 32
     many_slots = cu_seqlens_from_lengths([[40, 56] + [0] * 60], T)
     inputs = make_inputs(B=1, T=T)
-    rec = record(lambda: kda_chunk(**inputs, cu_seqlens=many_slots, chunk_size=chunk))
+    rec = record(lambda: kda_chunk(**inputs, cu_seqlens=many_slots, chunk_size=chunk,
+                                   lower_bound=lower_bound))
     chunk_dims = {shape[2] for _, shapes in rec.trace for shape in shapes
                   if isinstance(shape, tuple) and len(shape) == 5 and shape[:2] == (1, H)}
     assert chunk_dims == {T // chunk}, chunk_dims
 
 
-def test_static_shapes_without_states_for_two_document_layouts():
+@both_forms
+def test_static_shapes_without_states_for_two_document_layouts(lower_bound):
     T = 202
     inputs = make_inputs(B=1, T=T)
 
     def step(cu_seqlens):
         for x in inputs.values():
             x.grad = None
-        kda_chunk(**inputs, cu_seqlens=cu_seqlens)[0].sum().backward()
+        kda_chunk(**inputs, cu_seqlens=cu_seqlens, lower_bound=lower_bound)[0].sum().backward()
 
     recs = [record(step, cu_seqlens_from_lengths([list(lengths)], T))
             for lengths in [(5, 150, 30, 17), (100, 2, 50, 50)]]
     assert_static(*recs)
 
 
-def test_static_shapes_for_two_document_layouts():
+@both_forms
+def test_static_shapes_for_two_document_layouts(lower_bound):
     T = 202
     layouts = [(5, 150, 30, 17), (100, 2, 50, 50)]
     inputs = make_inputs(B=1, T=T, num_states=len(layouts[0]))
@@ -190,7 +297,8 @@ def test_static_shapes_for_two_document_layouts():
     def step(cu_seqlens):
         for x in inputs.values():
             x.grad = None  # a second backward would accumulate (add_) instead of assigning
-        o, state = kda_chunk(**inputs, output_final_state=True, cu_seqlens=cu_seqlens)
+        o, state = kda_chunk(**inputs, output_final_state=True, cu_seqlens=cu_seqlens,
+                             lower_bound=lower_bound)
         (o.sum() + state.sum()).backward()
 
     recs = [record(step, cu_seqlens_from_lengths([list(lengths)], T)) for lengths in layouts]
@@ -216,9 +324,10 @@ def test_recurrent_matches_the_spec_matrix_form():
     assert_close_rms(S, state[0], 1e-6, "state")
 
 
-def test_dtypes_and_optional_final_state():
+@both_forms
+def test_dtypes_and_optional_final_state(lower_bound):
     inputs = {name: x.detach().bfloat16() for name, x in make_inputs(B=1, T=40).items()}
-    for fn in (kda_chunk, kda_recurrent):
+    for fn in (functools.partial(kda_chunk, lower_bound=lower_bound), kda_recurrent):
         o, state = fn(**inputs)
         assert o.dtype == torch.bfloat16 and state is None
         _, state = fn(**inputs, output_final_state=True)
@@ -268,6 +377,9 @@ def test_fla_backend_gets_fla_arguments(monkeypatch):
     expected, _ = kda_chunk(**inputs, output_final_state=True, cu_seqlens=cu_seqlens,
                             backend="torch")
     assert_close_rms(expected, o, TOL, "o")
+    # A bound looser than the safe range does not select the safe-gate kernel.
+    kda_chunk(**inputs, cu_seqlens=cu_seqlens, backend="fla", lower_bound=-8.0, chunk_size=32)
+    assert calls[1]["safe_gate"] is False and calls[1]["lower_bound"] is None
     # auto on CPU stays on the torch path even when fla is importable.
     kda_chunk(**inputs, cu_seqlens=cu_seqlens)
-    assert len(calls) == 1
+    assert len(calls) == 2

@@ -21,12 +21,20 @@ Vn are the delta rule's effective values beta_t (v_t - S'^T k_t). exp(-Gc) is ne
 unbounded gate cannot overflow: Akk and Aqk are built from 16-token sub-tiles, where diagonal
 tiles use the pairwise difference Gc_i - Gc_j and off-diagonal tiles factorise at the start of
 the row tile, both factors <= 1. Terms that underflow to 0 are below fp32 resolution anyway.
+
+With a gate bounded below by lower_bound in [-5, 0) (K3's gate), a 16-token sub-tile decays by at
+most exp(16 lower_bound) >= exp(-80), so every score factorises with the reference R_a = Gc at
+row 7 of row tile a: x_i exp(Gc_i - R_a) (within exp(+-40)) times k_j exp(R_a - Gc_j) (at most
+exp(40) up to the end of tile a, <= 1 before it, where it is floored at exp(-80): such a term
+stays below exp(-45)). Each row tile is then one dense matmul against all keys of the chunk, no
+[t, t, K] pairwise tensor. That form is a custom autograd function over blocks of chunks that
+keeps only its inputs, Akk and the WY inverse, and recomputes the factors in its backward.
+The state pass (both forms) is one too: it saves the state entering each chunk and Vn.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +42,10 @@ import torch
 from model.batch import segment_ids
 
 SUB_TILE = 16
+SAFE_LOWER_BOUND = -5.0
+_TILE_REF = SUB_TILE // 2 - 1  # the reference row: exponents within [8, -7] * lower_bound
+_EXP_FLOOR = -80.0
+_BLOCK_ELEMENTS = 2 ** 18
 _BACKENDS = ("auto", "torch", "fla")
 
 
@@ -82,13 +94,18 @@ def kda_chunk(
     lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA. backend: "auto" (fla on CUDA when installed, else torch),
-    "torch" or "fla". lower_bound (e.g. -5 for the K3 gate) promises g >= lower_bound and lets
-    fla use its faster safe-gate kernel; the torch path is exact for any gate and ignores it."""
+    "torch" or "fla". lower_bound (e.g. -5 for the K3 gate) promises g >= lower_bound; within
+    the safe range [-5, 0) it selects fla's safe-gate kernel and the torch path's factorised
+    sub-tiles (which clamp g at the bound). None, or a looser bound, takes the form that is
+    exact for any gate (the Kimi Linear gate)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is invalid: must be one of {list(_BACKENDS)}")
     if chunk_size <= 0 or chunk_size % SUB_TILE:
         raise ValueError(f"chunk_size={chunk_size} is invalid: must be a multiple of {SUB_TILE}")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"lower_bound={lower_bound} is invalid: must be < 0 (a log decay) or None")
     scale = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    safe_bound = _safe_bound(lower_bound)
     use_fla = backend == "fla" or (backend == "auto" and q.is_cuda)
     fla_chunk_kda = _fla_chunk_kda() if use_fla else None  # imported only where it may run
     if backend == "fla" and fla_chunk_kda is None:
@@ -98,12 +115,20 @@ def kda_chunk(
             q, k, v, g, beta, scale=scale,
             initial_state=None if initial_state is None else initial_state.float(),
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            safe_gate=lower_bound is not None, lower_bound=lower_bound, chunk_size=chunk_size,
+            safe_gate=safe_bound is not None, lower_bound=safe_bound, chunk_size=chunk_size,
             # Builds the varlen chunk list on the device with a fixed shape (no host sync).
             use_graph=cu_seqlens is not None,
         )
     return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
-                            cu_seqlens, chunk_size)
+                            cu_seqlens, chunk_size, safe_bound)
+
+
+def _safe_bound(lower_bound: float | None) -> float | None:
+    """The bound if it makes a 16-token sub-tile decay by at most exp(-80) (fla's safe range
+    too), else None: a looser bound gives the factorised scores no fp32 headroom."""
+    if lower_bound is None or lower_bound < SAFE_LOWER_BOUND:
+        return None
+    return lower_bound
 
 
 @functools.cache
@@ -155,12 +180,12 @@ def _recurrence(q, k, v, g, beta, scale, initial_state):
 class _ChunkLayout:
     """Where each token goes in a buffer of whole chunks, and where each document starts.
 
-    token_index [T]: position of each token in the padded buffer of num_chunks * C tokens.
-    For packed documents also, per chunk, whether it starts a document and which one, and per
-    document its last chunk (clamped to 0) and whether it has any token.
+    token_index [T]: position of each token in the padded buffer of num_chunks * C tokens (None:
+    token t at position t). For packed documents also, per chunk, whether it starts a document
+    and which one, and per document its last chunk (clamped to 0) and whether it has any token.
     """
 
-    token_index: torch.Tensor
+    token_index: torch.Tensor | None
     num_chunks: int
     chunk_doc: torch.Tensor | None = None
     chunk_starts_doc: torch.Tensor | None = None
@@ -168,8 +193,8 @@ class _ChunkLayout:
     doc_nonempty: torch.Tensor | None = None
 
 
-def _rows_layout(T: int, chunk: int, device) -> _ChunkLayout:
-    return _ChunkLayout(torch.arange(T, device=device), -(-T // chunk))
+def _rows_layout(T: int, chunk: int) -> _ChunkLayout:
+    return _ChunkLayout(None, -(-T // chunk))
 
 
 def _docs_layout(cu_seqlens: torch.Tensor, T: int, chunk: int) -> _ChunkLayout:
@@ -198,42 +223,56 @@ def _docs_layout(cu_seqlens: torch.Tensor, T: int, chunk: int) -> _ChunkLayout:
 
 
 def _to_chunks(x: torch.Tensor, layout: _ChunkLayout, chunk: int) -> torch.Tensor:
-    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32, zeros where no token lands."""
-    B, _, H, *rest = x.shape
-    padded = x.new_zeros(B, layout.num_chunks * chunk, H, *rest, dtype=torch.float32)
-    padded = padded.index_copy(1, layout.token_index, x.float())
-    padded = padded.unflatten(1, (layout.num_chunks, chunk))
-    return padded.movedim(3, 1)
+    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32, zeros where no token lands. A view
+    where whole chunks cover T (matmuls take the strided rows), else one copy: every fresh
+    tensor of this size costs page faults on CPU."""
+    B, T, H, *rest = x.shape
+    if layout.token_index is None and T == layout.num_chunks * chunk:
+        return x.float().unflatten(1, (layout.num_chunks, chunk)).movedim(3, 1)
+    x = x.float().transpose(1, 2)
+    if layout.token_index is None:
+        padded = x.new_empty(B, H, layout.num_chunks * chunk, *rest)
+        padded[:, :, T:].zero_()
+        padded[:, :, :T] = x
+    else:
+        padded = x.new_zeros(B, H, layout.num_chunks * chunk, *rest)
+        padded = padded.index_copy(2, layout.token_index, x)
+    return padded.unflatten(2, (layout.num_chunks, chunk))
 
 
-def _from_chunks(x: torch.Tensor, layout: _ChunkLayout) -> torch.Tensor:
+def _from_chunks(x: torch.Tensor, layout: _ChunkLayout, T: int) -> torch.Tensor:
     """[B, H, num_chunks, C, V] -> [B, T, H, V]."""
-    return x.flatten(2, 3).index_select(2, layout.token_index).transpose(1, 2)
+    x = x.flatten(2, 3)
+    x = x[:, :, :T] if layout.token_index is None else x.index_select(2, layout.token_index)
+    return x.transpose(1, 2)
 
 
 def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                     chunk):
+                     chunk, lower_bound):
     T = q.shape[1]
     masks = None
     if cu_seqlens is None:
-        layout = _rows_layout(T, chunk, q.device)
+        layout = _rows_layout(T, chunk)
     elif initial_state is None and not output_final_state:
         # Training's case: no per-document states in or out, so documents may share a chunk and
         # are kept apart by masks; no padding per document.
-        layout = _rows_layout(T, chunk, q.device)
+        layout = _rows_layout(T, chunk)
         masks = _segment_masks(cu_seqlens, T, chunk)
     else:
         layout = _docs_layout(cu_seqlens, T, chunk)
     qc, kc, vc, gc = (_to_chunks(x, layout, chunk) for x in (q, k, v, g))
-    qc = qc * scale  # in fp32, after the cast
     bc = _to_chunks(beta.unsqueeze(-1), layout, chunk)
-    prepared = _intra_chunk(qc, kc, vc, gc, bc, masks)
+    if lower_bound is None:  # contiguous: elementwise results would keep a view's strides
+        qc, kc, vc, gc, bc = (x.contiguous() for x in (qc, kc, vc, gc, bc))
+        prepared = _intra_chunk(qc * scale, kc, vc, gc, bc, masks)  # scale in fp32, after the cast
+    else:
+        prepared = _BoundedIntraChunk.apply(qc, kc, vc, gc, bc, scale, lower_bound, masks)
     o, chunk_end_states = _state_pass(*prepared, initial_state, layout)
-    o = _from_chunks(o, layout).to(q.dtype)
+    o = _from_chunks(o, layout, T).to(q.dtype)
     if not output_final_state:
         return o, None
     if cu_seqlens is None:
-        return o, chunk_end_states[-1]
+        return o, chunk_end_states
     return o, _doc_final_states(chunk_end_states, initial_state, layout)
 
 
@@ -323,42 +362,264 @@ def _decayed_scores(q, k, G):
     return assemble(qk_diag, qk_off), assemble(kk_diag, kk_off)
 
 
+class _BoundedIntraChunk(torch.autograd.Function):
+    """_intra_chunk for a gate with a safe lower bound (q not yet scaled): the decayed scores are
+    one dense matmul per row tile of two factors (see the module docstring). It keeps its inputs,
+    Akk and the WY inverse for the backward, which recomputes the factors; the other
+    intermediates never outlive a block of chunks: both passes run over blocks of about
+    _BLOCK_ELEMENTS elements per [.., C, K] tensor (all chunks of a block at once), so that
+    temporaries stay in cache and in the allocator's reused memory."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, lower_bound, masks: _SegmentMasks | None):
+        inputs = (q, k, v, g, beta)
+        outputs = _by_blocks(_bounded_forward, inputs, (), scale, lower_bound, masks)
+        ctx.save_for_backward(*inputs, *outputs[-2:])  # Akk, inverse
+        ctx.scale, ctx.lower_bound, ctx.masks = scale, lower_bound, masks
+        return tuple(outputs[:-2])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = _by_blocks(_bounded_backward, ctx.saved_tensors, grads, ctx.scale,
+                           ctx.lower_bound, ctx.masks)
+        return *grads, None, None, None
+
+
+def _by_blocks(fn, tensors, more, scale, lower_bound, masks):
+    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together."""
+    B, H, NC, C, K = tensors[0].shape
+    step = max(1, _BLOCK_ELEMENTS // (B * H * C * K))
+    results = None
+    for start in range(0, NC, step):
+        block = slice(start, min(start + step, NC))
+        block_masks = None if masks is None else _SegmentMasks(
+            masks.same[block], masks.continues[block], masks.in_last[block])
+        # Contiguous blocks: elementwise results keep their inputs' strides, and matmuls copy
+        # operands whose rows are not contiguous.
+        parts = fn(*(x[:, :, block].contiguous() for x in (*tensors, *more)), scale, lower_bound,
+                   block_masks)
+        if results is None:
+            results = [x.new_empty(B, H, NC, *x.shape[3:]) for x in parts]
+        for result, part in zip(results, parts):
+            result[:, :, block] = part
+    return results
+
+
+def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
+    """Returns Aqk, U, W, q exp(Gc), exp(Gc_last - Gc) k, exp(Gc_last), Akk and the inverse."""
+    G = g.clamp(min=lower_bound).cumsum_(-2)
+    _, rows, key_decay = _tile_factors(q, k, G, lower_bound)
+    scores = rows @ key_decay.mul_(k.unsqueeze(-3)).mT  # [.., n, 2t, C]
+    del rows, key_decay
+    lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
+    Aqk = _from_tiles(scores[..., :SUB_TILE, :]).mul_(scale).masked_fill_(~lower, 0.0)
+    Akk = _from_tiles(scores[..., SUB_TILE:, :]).masked_fill_(~strictly_lower, 0.0)
+    del scores
+    # (I + Diag(beta) Akk)^-1, unit lower triangular; U and W are then plain matmuls.
+    inverse = _unit_lower_inverse(beta * Akk)
+    weighted = inverse * beta.mT  # = inverse @ Diag(beta)
+    U = weighted @ v
+    G_exp = _decay(G.clone())
+    W = weighted @ (k * G_exp)
+    q_decayed = G_exp.mul_(q).mul_(scale)
+    G_last = G[..., -1:, :]
+    k_to_end = _decay(G_last - G).mul_(k)
+    chunk_decay = _decay(G_last.clone())
+    if masks is not None:
+        W.mul_(masks.continues)
+        q_decayed.mul_(masks.continues)
+        k_to_end.mul_(masks.in_last)
+        chunk_decay.mul_(masks.continues[:, -1:])
+    return Aqk, U, W, q_decayed, k_to_end, chunk_decay, Akk, inverse
+
+
+def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, dk_to_end,
+                      dchunk_decay, scale, lower_bound, masks):
+    """Gradients of q, k, v, g and beta from those of _bounded_forward's first six outputs."""
+    if masks is not None:  # a masked output passes no gradient
+        dW = dW * masks.continues
+        dq_decayed = dq_decayed * masks.continues
+        dk_to_end = dk_to_end * masks.in_last
+        dchunk_decay = dchunk_decay * masks.continues[:, -1:]
+    G = g.clamp(min=lower_bound).cumsum_(-2)
+    G_exp = _decay(G.clone())
+    G_last = G[..., -1:, :]
+    # U = weighted V, W = weighted (k exp(G)), weighted = inverse Diag(beta).
+    weighted = inverse * beta.mT
+    k_decayed = k * G_exp
+    dweighted = torch.matmul(dU, v.mT).add_(dW @ k_decayed.mT)
+    dv = weighted.mT @ dU
+    dk_decayed = weighted.mT @ dW
+    del weighted
+    dbeta = (dweighted * inverse).sum(-2).unsqueeze(-1)
+    # inverse = M^-1 with M = I + Diag(beta) Akk: dL/dM = -inverse^T dL/dinverse inverse^T.
+    dM = inverse.mT @ dweighted.mul_(beta.mT) @ inverse.mT
+    dbeta -= (dM * Akk).sum(-1, keepdim=True)
+    lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
+    dAkk = dM.mul_(-beta).masked_fill_(~strictly_lower, 0.0)
+    dAqk = (dAqk * scale).masked_fill_(~lower, 0.0)
+    del dM, dweighted
+    # scores = rows @ keys^T per row tile, with the references held constant: the scores
+    # depend on Gc only through differences, so that gradient is exact.
+    row, rows, key_decay = _tile_factors(q, k, G, lower_bound)
+    dscores = torch.stack([_to_tiles(dAqk), _to_tiles(dAkk)], dim=-3).flatten(-3, -2)
+    del dAqk, dAkk
+    dk_keys = (dscores.mT @ rows).mul_(key_decay).sum(-3)  # [.., C, K]
+    drows = dscores @ key_decay.mul_(k.unsqueeze(-3))  # [.., n, 2t, K]
+    del dscores, key_decay
+    drows, rows = drows.unflatten(-2, (2, SUB_TILE)), rows.unflatten(-2, (2, SUB_TILE))
+    dG = _from_tiles((drows * rows).sum(-3)).addcmul_(dk_keys, k, value=-1)
+    dq = _from_tiles(drows[..., 0, :, :] * row)
+    dk = _from_tiles(drows[..., 1, :, :] * row).add_(dk_keys)
+    del drows, rows, row, dk_keys
+    # q_decayed = scale q exp(G), k exp(G) in W, k_to_end = k exp(G_last - G), exp(G_last).
+    dq.addcmul_(dq_decayed, G_exp, value=scale)
+    dk.addcmul_(dk_decayed, G_exp)
+    dG.addcmul_(dk_decayed, k_decayed)
+    dG.addcmul_(dq_decayed, G_exp.mul_(q), value=scale)
+    to_end = _decay(G_last - G)
+    dk.addcmul_(dk_to_end, to_end)
+    dto_end = dk_to_end.mul_(to_end).mul_(k)  # d(G_last - G)
+    dG.sub_(dto_end)
+    dG[..., -1:, :] += dto_end.sum(-2, keepdim=True) + dchunk_decay * _decay(G_last.clone())
+    # G = cumsum(clamp(g)): reverse cumsum, and no gradient where the clamp held.
+    dg = dG.flip(-2).cumsum_(-2).flip(-2).masked_fill_(g < lower_bound, 0.0)
+    return dq, dk, dv, dg, dbeta
+
+
+def _tile_factors(q, k, G, lower_bound):
+    """The scores' factors, with R_a = Gc at row _TILE_REF of row tile a: row = exp(Gc_i - R_a)
+    for i in tile a ([.., n, t, K], within exp(-8, 7 * |lower_bound|)); rows [.., n, 2t, K], q
+    then k times row; key_decay[a, j] = exp(R_a - Gc_j) [.., n, C, K], exact up to the end of
+    tile a (<= exp(8 |lower_bound|)), floored at exp(-80) before it (the row factor is at most
+    exp(35), so a floored term stays below exp(-45)) and capped after it (masked later)."""
+    Gt = _to_tiles(G)
+    ref = Gt[..., _TILE_REF:_TILE_REF + 1, :]
+    row = (Gt - ref).exp_()
+    rows = row.new_empty(*row.shape[:-2], 2, *row.shape[-2:])
+    torch.mul(_to_tiles(q), row, out=rows[..., 0, :, :])
+    torch.mul(_to_tiles(k), row, out=rows[..., 1, :, :])
+    cap = (SUB_TILE - 1 - _TILE_REF) * -lower_bound
+    key_decay = (ref - G.unsqueeze(-3)).clamp_(_EXP_FLOOR, cap).exp_()
+    return row, rows.flatten(-3, -2), key_decay
+
+
+def _to_tiles(x):
+    """[.., C, X] -> [.., C / 16, 16, X]."""
+    return x.unflatten(-2, (x.shape[-2] // SUB_TILE, SUB_TILE))
+
+
+def _from_tiles(x):
+    """[.., n, 16, X] -> [.., 16 n, X] (a copy if x is a strided slice)."""
+    return x.reshape(*x.shape[:-3], -1, x.shape[-1])
+
+
+def _decay(exponent):
+    """exp, in place, of a log decay floored at -80: below about -87 exp leaves its vector path
+    (10x slower on CPU), and what it scales there is below 1e-35 of its size anyway."""
+    return exponent.clamp_(min=_EXP_FLOOR).exp_()
+
+
+def _score_masks(C, masks, device):
+    """Where Aqk (j <= i) and Akk (j < i) may be nonzero: within one document."""
+    lower = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    strictly_lower = lower.tril(-1)
+    if masks is not None:
+        lower, strictly_lower = lower & masks.same, strictly_lower & masks.same
+    return lower, strictly_lower
+
+
+def _unit_lower_inverse(A):
+    """(I + A)^-1 for strictly lower triangular A [.., C, C]."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
+    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+
+
 def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layout):
     """Carries the state across chunks (the only sequential part). Returns the output chunks
-    [B, H, NC, C, V] and the state after each chunk [NC, B, H, K, V]."""
+    [B, H, NC, C, V] and the state after each chunk [B, H, NC, K, V] for packed documents, after
+    the last chunk [B, H, K, V] for rows."""
     B, H, _, _, K = W.shape
     state = U.new_zeros(B, H, K, U.shape[-1])
-    starts = inits = itertools.repeat(None)
+    starts = inits = None
     if layout.chunk_doc is None:
         if initial_state is not None:
             state = initial_state.float()
     else:  # a chunk that starts a document loads that document's initial state
-        starts = layout.chunk_starts_doc.unbind(0)
-        if initial_state is None:
-            inits = itertools.repeat(state.new_zeros(()))
+        starts = layout.chunk_starts_doc
+        if initial_state is not None:
+            inits = initial_state.float().index_select(0, layout.chunk_doc).unsqueeze(1)
+    return _StatePass.apply(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts)
+
+
+class _StatePass(torch.autograd.Function):
+    """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c],
+    zeros without inits), Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
+    S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
+    in cache; results go to preallocated buffers (no per-chunk autograd graph), and the backward
+    runs the loop in reverse from the saved S_c and Vn_c."""
+
+    @staticmethod
+    def forward(ctx, Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
+        B, H, NC, C, V = U.shape
+        K = W.shape[-1]
+        start_states = U.new_empty(B, H, NC, K, V)
+        new_values = torch.empty_like(U)
+        o = torch.empty_like(U)
+        end_states = U.new_empty(B, H, NC, K, V) if starts is not None else None
+        for c in range(NC):
+            if starts is not None:
+                state = torch.where(starts[c], 0.0 if inits is None else inits[c], state)
+            start_states[:, :, c] = state
+            vn = torch.sub(U[:, :, c], W[:, :, c] @ state, out=new_values[:, :, c])
+            o[:, :, c] = torch.matmul(q_decayed[:, :, c], state).add_(Aqk[:, :, c] @ vn)
+            state = (chunk_decay[:, :, c].mT * state).add_(k_to_end[:, :, c].mT @ vn)
+            if starts is not None:
+                end_states[:, :, c] = state
+        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values,
+                              starts)
+        ctx.inits_shape = None if inits is None else inits.shape
+        return o, state if starts is None else end_states
+
+    @staticmethod
+    def backward(ctx, do, dend_states):
+        Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values, starts = \
+            ctx.saved_tensors
+        NC = new_values.shape[2]
+        dAqk, dq_decayed = torch.empty_like(Aqk), torch.empty_like(q_decayed)
+        dU, dW, dk_to_end = torch.empty_like(new_values), torch.empty_like(W), torch.empty_like(W)
+        dchunk_decay = torch.empty_like(chunk_decay)
+        dinits = None
+        if ctx.needs_input_grad[7]:
+            dinits = start_states.new_zeros(ctx.inits_shape)
+        if starts is None:
+            dstate = dend_states.clone()  # the gradient of the state after chunk c
         else:
-            inits = initial_state.float().index_select(0, layout.chunk_doc).unsqueeze(1).unbind(0)
-    start_states, new_values, end_states = [], [], []
-    # unbind, not x[:, :, c]: the backward of NC slices would build NC full-size zero gradients.
-    per_chunk = (x.unbind(2) for x in (U, W, chunk_decay, k_to_end))
-    for u, w, decay, k_end, start, init in zip(*per_chunk, starts, inits):
-        if start is not None:
-            state = torch.where(start, init, state)
-        start_states.append(state)
-        vn = u - w @ state
-        new_values.append(vn)
-        state = decay.mT * state + k_end.mT @ vn
-        end_states.append(state)
-    start_states = torch.stack(start_states, dim=2)
-    new_values = torch.stack(new_values, dim=2)
-    o = q_decayed @ start_states + Aqk @ new_values
-    return o, torch.stack(end_states)
+            dstate = torch.zeros_like(dend_states[:, :, 0])
+        for c in reversed(range(NC)):
+            if starts is not None:
+                dstate += dend_states[:, :, c]
+            state, vn, do_c = start_states[:, :, c], new_values[:, :, c], do[:, :, c]
+            dAqk[:, :, c] = do_c @ vn.mT
+            dq_decayed[:, :, c] = do_c @ state.mT
+            dk_to_end[:, :, c] = vn @ dstate.mT
+            dchunk_decay[:, :, c] = (dstate * state).sum(-1).unsqueeze(-2)
+            dvn = torch.matmul(Aqk[:, :, c].mT, do_c).add_(k_to_end[:, :, c] @ dstate)
+            dU[:, :, c] = dvn
+            dW[:, :, c] = (dvn @ state.mT).neg_()
+            dstate = (chunk_decay[:, :, c].mT * dstate).add_(q_decayed[:, :, c].mT @ do_c)
+            dstate.sub_(W[:, :, c].mT @ dvn)
+            if starts is not None:  # a loaded initial state cuts the carried one off
+                if dinits is not None:
+                    dinits[c] = torch.where(starts[c], dstate, 0.0)
+                dstate = torch.where(starts[c], 0.0, dstate)
+        return dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay, dstate, dinits, None
 
 
 def _doc_final_states(chunk_end_states, initial_state, layout):
     """The state after each document's last chunk ([N, H, K, V]); a document without tokens
     keeps its initial state."""
-    final = chunk_end_states.index_select(0, layout.doc_last_chunk).squeeze(1)
+    final = chunk_end_states.index_select(2, layout.doc_last_chunk)[0].transpose(0, 1)
     if initial_state is None:
         before = final.new_zeros(())
     else:
