@@ -271,6 +271,30 @@ class K3DataLoader:
                 "seed": s.seed, "seq_len": s.seq_len, "global_batch": s.global_batch,
                 "max_docs_per_row": s.slots, "fingerprint": s.fingerprint}
 
+    def continue_from(self, state: dict) -> str | None:
+        """Resumes from a checkpointed state: exactly (load_state_dict) when it was written for
+        the same stage and layout; after a context-curriculum switch (another seq_len,
+        micro-batch, global batch, DP size or seed on the same dataset) at the same position in
+        the token stream: the new stage starts at the first optimizer step past the tokens the
+        earlier stages consumed, which is the same fraction of an epoch (every packing of the
+        dataset holds its tokens once per epoch). Returns None, or what changed (for the log)."""
+        mine = self.state_dict()
+        changed = {k for k in mine if k not in ("step", "dp_rank") and state.get(k) != mine[k]}
+        if not changed:
+            self.load_state_dict(state)
+            return None
+        for key in ("version", "fingerprint"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader "
+                                 f"{mine[key]!r}: a stage switch continues on the same dataset")
+        rows = state["micro_batch_size"] * state["dp_world_size"] * state["grad_accum"]
+        tokens = state["step"] // state["grad_accum"] * rows * state["seq_len"]
+        s = self.source
+        per_step = s.global_batch * s.seq_len
+        self.step = -(-tokens // per_step) * s.grad_accum
+        self._it = None
+        return ", ".join(f"{k} {state.get(k)} -> {mine[k]}" for k in sorted(changed))
+
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         for key in mine:

@@ -124,13 +124,15 @@ class K3Model(nn.Module):
         flat = x.reshape(b * t, d).index_copy(0, batch.vision.token_positions, vis)
         return flat.view(b, t, d)
 
-    def run_layers(self, state: BlockState, batch: K3Batch) -> None:
-        """Every decoder layer of this model (of this stage, under pipeline parallelism)."""
+    def run_layers(self, state: BlockState, batch: K3Batch,
+                   layers: Sequence[DecoderLayer] | None = None) -> None:
+        """`layers` (default: every decoder layer this model holds; a pipeline stage passes its
+        own) in order, on the state's blocks and partial."""
         b, t = batch.tokens.shape
         cu = batch.cu_seqlens
         segments = segment_ids(cu, b * t).view(b, t) if cu is not None else None
         token_mask = batch.tokens != self.cfg.pad_token_id
-        for layer in self.layers.values():
+        for layer in self.layers.values() if layers is None else layers:
             state.start_layer(layer.index)
             # A tuple snapshot: a checkpointed layer recomputes from the blocks it was given.
             state.partial = layer(tuple(state.blocks), state.partial, cu, segments, token_mask)

@@ -68,3 +68,30 @@ def test_plan_rejects_a_bad_layout_naming_the_field():
 def test_plan_without_a_data_size_takes_the_fewest_ranks_that_hold_the_experts():
     lay = _plan("parallel.tensor=2", "parallel.expert=8")["layout"]
     assert (lay["world_size"], lay["data"], lay["expert_data"]) == (8, 4, 1)
+
+
+def test_long_context_memory_fit_equals_the_trace():
+    """The quadratic through three short traces is the traced count at a longer context."""
+    from model.config import k3_tiny
+    from train.plan import fitted_saved_after_forward, saved_after_forward
+
+    for checkpointing in (False, True):
+        assert (fitted_saved_after_forward(k3_tiny(), 8192, 1, 4, checkpointing)
+                == saved_after_forward(k3_tiny(), 8192, 1, 4, checkpointing))
+
+
+def test_long_context_plan_says_which_context_stages_fit_an_h200():
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--json", "--long-context",
+                          "model=k3_full", "parallel.tensor=8", "parallel.expert=64",
+                          "parallel.pipeline=8", "parallel.context=16", "parallel.data=4",
+                          "stage.micro_batch_size=1", "activation_checkpointing=true"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["long_context"]
+    assert [r["seq_len"] for r in rows] == [8192, 65536, 262144, 1048576]
+    totals = [r["total_gib"] for r in rows]
+    assert totals == sorted(totals)
+    # weights, gradients and optimizer states do not depend on the context; activations do
+    assert len({round(r["total_gib"] - r["activations_gib"], 6) for r in rows}) == 1
+    assert [r["fits_h200"] for r in rows] == [t * 2**30 <= 0.9 * 141e9 for t in totals]
+    assert [r["fits_h200"] for r in rows] == [True, True, True, False]  # 1M needs more CP

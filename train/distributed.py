@@ -65,9 +65,10 @@ def init_topology(parallel: ParallelConfig, env: DistEnv,
     return topology
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In place over `group` (default: the world; a pipeline run passes one stage's group)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
@@ -76,3 +77,8 @@ def shutdown() -> None:
         dist.barrier()  # a rank leaving early can abort the others' last collectives
         dist.destroy_process_group()
 
+
+def all_reduce_max(t: torch.Tensor, group=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t

@@ -18,8 +18,8 @@ import torch
 from model.config import K3Config
 
 
-def _linear_weights_per_token(cfg: K3Config) -> int:
-    """Weights of the language model a text token multiplies with (input embedding excluded)."""
+def _weights_per_token(cfg: K3Config) -> dict[str, int]:
+    """Weights a text token multiplies with in one sublayer of each kind."""
     d = cfg.hidden_size
     k, m, e = cfg.kda, cfg.mla, cfg.moe
     kda = (3 * d * k.num_heads * k.head_dim  # q, k, v
@@ -36,14 +36,11 @@ def _linear_weights_per_token(cfg: K3Config) -> int:
            + 2 * d * e.latent_dim  # latent down and up
            + 3 * d * e.num_shared_experts * e.expert_intermediate
            + e.top_k * expert)
-    kinds = cfg.layer_types()
-    total = sum(kda if kind == "kda" else mla for kind in kinds)
-    total += sum(moe if cfg.is_moe_layer(i) else dense for i in range(cfg.num_layers))
-    return total + d * cfg.vocab_size  # LM head
+    return {"kda": kda, "mla": mla, "dense": dense, "moe": moe, "head": d * cfg.vocab_size}
 
 
-def attention_flops_per_token(cfg: K3Config, seq_len: int, causal: bool = True) -> int:
-    """Forward FLOPs of the attention cores per token for documents of length seq_len.
+def _attention_core_flops(cfg: K3Config, seq_len: int, causal: bool) -> dict[str, float]:
+    """Forward FLOPs per token of each attention core for documents of length seq_len.
 
     MLA: q.k and p.v over the visible context (on average (T+1)/2 tokens when causal, T when
     counting a dense masked kernel). KDA (chunked form, chunk C, head dims K and V): the
@@ -55,8 +52,35 @@ def attention_flops_per_token(cfg: K3Config, seq_len: int, causal: bool = True) 
     mla = 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * ctx
     c, dk, dv = k.chunk_size, k.head_dim, k.head_dim
     kda = k.num_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
-    kinds = cfg.layer_types()
-    return int(kinds.count("mla") * mla + kinds.count("kda") * kda)
+    return {"mla": mla, "kda": kda}
+
+
+def layer_forward_flops_per_token(cfg: K3Config, seq_len: int,
+                                  causal: bool = True) -> list[float]:
+    """Forward FLOPs per token of each decoder layer (KDA or MLA, dense MLP or MoE): the cost
+    a pipeline split balances."""
+    weights, core = _weights_per_token(cfg), _attention_core_flops(cfg, seq_len, causal)
+    return [2 * weights[kind] + core[kind] + 2 * weights["moe" if cfg.is_moe_layer(i) else "dense"]
+            for i, kind in enumerate(cfg.layer_types())]
+
+
+def head_forward_flops_per_token(cfg: K3Config) -> int:
+    """The LM head's projection (the last pipeline stage runs it after its layers)."""
+    return 2 * _weights_per_token(cfg)["head"]
+
+
+def _linear_weights_per_token(cfg: K3Config) -> int:
+    """Weights of the language model a text token multiplies with (input embedding excluded)."""
+    w = _weights_per_token(cfg)
+    total = sum(w[kind] for kind in cfg.layer_types())
+    total += sum(w["moe" if cfg.is_moe_layer(i) else "dense"] for i in range(cfg.num_layers))
+    return total + w["head"]
+
+
+def attention_flops_per_token(cfg: K3Config, seq_len: int, causal: bool = True) -> int:
+    """Forward FLOPs of the attention cores per token (see _attention_core_flops)."""
+    core = _attention_core_flops(cfg, seq_len, causal)
+    return int(sum(core[kind] for kind in cfg.layer_types()))
 
 
 def forward_flops_per_token(cfg: K3Config, seq_len: int, causal: bool = True) -> int:

@@ -168,9 +168,14 @@ def train(cfg: TrainConfig) -> int:
     step = 0
     latest, fallbacks = resume_checkpoint(ckpt) if cfg.checkpoint.resume else (None, [])
     if latest is not None:
-        step = ckpt.load(latest, model, optimizers, lambda s: loader.load_state_dict(s["loader"]),
+        switched: list[str | None] = []  # a stage switch (context curriculum) maps the data
+        step = ckpt.load(latest, model, optimizers,
+                         lambda s: switched.append(loader.continue_from(s["loader"])),
                          verified=True)
         log.info("resumed from %s at step %d", latest, step)
+        if switched and switched[0] is not None and env.is_main:
+            log.info("stage %s continues the run (%s): its data from loader step %d",
+                     cfg.stage.name, switched[0], loader.step)
     metrics = MetricsLogger(run_dir, env.rank, cfg.logging, cfg.steps, step,
                             run_config=asdict(cfg))
     if fallbacks:

@@ -2,7 +2,10 @@
 parallel layout, from the same configs as `k3-train`.
 
     k3-plan model=k3_full parallel.tensor=8 parallel.expert=64 parallel.pipeline=8 \
-        parallel.data=64 stage.seq_len=8192 stage.micro_batch_size=1 [--json]
+        parallel.data=64 stage.seq_len=8192 stage.micro_batch_size=1 [--json] [--long-context]
+
+--long-context adds the memory per GPU at 8K, 64K, 256K and 1M tokens per sequence with the
+same layout, and whether each fits an H200 (141 GB, 10% kept free).
 
 The model is built on the meta device (no memory, no time), so the counts are the real module's.
 Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
@@ -70,8 +73,31 @@ def saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layer
     return embedding + layers + head, max(per_layer)
 
 
+def fitted_saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layers: int,
+                               checkpointing: bool, probes=(1024, 2048, 4096)) -> tuple[int, int]:
+    """`saved_after_forward` at any length from traces at three short ones: every saved
+    tensor's size is a polynomial of degree <= 2 in the tokens (linear for projections, chunk
+    states and the blockwise attention's statistics; quadratic only for a dense [T, T] mask or
+    score matrix, if the model saves one), so the quadratic through three points is exact. The
+    trace itself runs the layers' Python per chunk and would take minutes at 64K tokens."""
+    points = [saved_after_forward(cfg, t, micro_batch, num_layers, checkpointing)
+              for t in probes]
+
+    def at(values: list[int]) -> int:  # Lagrange interpolation through the probes
+        total = 0.0
+        for i, (ti, vi) in enumerate(zip(probes, values, strict=True)):
+            w = 1.0
+            for j, tj in enumerate(probes):
+                if j != i:
+                    w *= (seq_len - tj) / (ti - tj)
+            total += w * vi
+        return round(total)
+
+    return at([p[0] for p in points]), at([p[1] for p in points])
+
+
 def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Topology,
-                     checkpointing: bool) -> float:
+                     checkpointing: bool, fitted: bool = False) -> float:
     """Activations kept for backward on one GPU: a stage's share of `saved_after_forward`
     (the head as configured: with the chunked loss no vocabulary-sized logits remain, with
     `loss_chunk_tokens=0` the fp32 logits are counted) for each of up to `pipeline` micro-batches
@@ -79,14 +105,16 @@ def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Topo
     checkpointing. Tensor parallelism splits heads, and sequence parallelism the rest, across
     its ranks."""
     layers_per_stage = -(-cfg.num_layers // layout.pp)
-    saved, largest_layer = saved_after_forward(cfg, seq_len // layout.cp, micro_batch,
-                                               layers_per_stage, checkpointing)
+    saved_fn = fitted_saved_after_forward if fitted else saved_after_forward
+    saved, largest_layer = saved_fn(cfg, seq_len // layout.cp, micro_batch, layers_per_stage,
+                                    checkpointing)
     recompute = largest_layer if checkpointing else 0
     return (saved * layout.pp + recompute) / layout.tp
 
 
 def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_len: int,
-                   micro_batch: int, checkpointing: bool) -> dict[str, float]:
+                   micro_batch: int, checkpointing: bool,
+                   fitted: bool = False) -> dict[str, float]:
     routed = counts.routed_experts
     dense = counts.total - routed
     dense_local = dense / (layout.tp * layout.pp)
@@ -97,14 +125,32 @@ def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_
     # Sharded within a replica: HSDP's replicas each hold the whole state.
     master_and_states = (4 + 4 * states) * (dense_local / layout.dp_shard + expert_local
                                             / (layout.edp // layout.dp_replicate))
-    acts = activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing)
+    acts = activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing, fitted)
     total = weights + grads + master_and_states + acts
     return {"weights_gib": weights / GiB, "grads_gib": grads / GiB,
             "optimizer_gib": master_and_states / GiB, "activations_gib": acts / GiB,
             "total_gib": total / GiB}
 
 
-def plan(cfg) -> dict:
+LONG_CONTEXT = (8192, 65536, 262144, 1048576)  # K3's context stages
+H200_BYTES = 141e9  # HBM3e of one H200 (141 GB = 131.3 GiB)
+RESERVE = 0.10  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+def long_context_memory(cfg: K3Config, counts, layout: Topology, optimizer: str,
+                        micro_batch: int, checkpointing: bool) -> list[dict]:
+    """Memory per GPU at each context stage with this layout (each CP rank holds seq/cp tokens
+    of every sequence) and whether it fits an H200 with RESERVE kept free."""
+    rows = []
+    for seq in LONG_CONTEXT:
+        mem = memory_per_gpu(cfg, counts, layout, optimizer, seq, micro_batch, checkpointing,
+                             fitted=True)
+        rows.append({"seq_len": seq, **mem,
+                     "fits_h200": mem["total_gib"] * GiB <= (1 - RESERVE) * H200_BYTES})
+    return rows
+
+
+def plan(cfg, long_context: bool = False) -> dict:
     with torch.device("meta"):
         model = K3Model(cfg.model)
     counts = count_parameters(model)
@@ -121,6 +167,10 @@ def plan(cfg) -> dict:
                                          cfg.stage.micro_batch_size,
                                          cfg.activation_checkpointing),
         "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
+        **({"long_context": long_context_memory(cfg.model, counts, layout, cfg.optim.name,
+                                                cfg.stage.micro_batch_size,
+                                                cfg.activation_checkpointing)}
+           if long_context else {}),
     }
 
 
@@ -161,11 +211,17 @@ def format_plan(p: dict) -> str:
         f"{t['moonep_collective']['total'] / 2**20:.1f} MiB, dynamic (balanced routing) "
         f"{t['dynamic']['total'] / 2**20:.1f} MiB; formulas with --json",
     ]
+    for row in p.get("long_context", []):
+        lines.append(f"  at {row['seq_len']:>8} tokens  {row['total_gib']:7.1f} GiB per GPU "
+                     f"(activations {row['activations_gib']:.1f}): "
+                     + ("fits an H200" if row["fits_h200"] else "does not fit an H200")
+                     + f" ({(1 - RESERVE) * H200_BYTES / GiB:.1f} GiB usable)")
     return "\n".join(lines)
 
 
 register_configs()
 _as_json = False
+_long_context = False
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
@@ -173,7 +229,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         train_cfg = to_train_config(cfg)
         train_cfg.model.validate("model")
-        result = plan(train_cfg)
+        result = plan(train_cfg, _long_context)
     except ConfigError as e:
         print(f"k3-plan: config error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -181,7 +237,10 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    global _as_json
+    global _as_json, _long_context
+    _long_context = "--long-context" in sys.argv
+    if _long_context:
+        sys.argv.remove("--long-context")
     _as_json = prepare_tool_argv("--json")
     _hydra_main()
 

@@ -4,6 +4,7 @@ post-step MLA QK-Clip bookkeeping that needs the attention's max logits."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import torch
 
 from model.k3 import K3Model
 
+from ..distributed import all_reduce_max
 from .te_backend import TEPlan, te_plan_for
 
 log = logging.getLogger("k3.train")
@@ -60,15 +62,17 @@ class PrecisionPlan:
                 stack.enter_context(self.te.autocast())
             yield
 
-    def end_step(self, model: K3Model, tau: float, updated: bool, clip=None
+    def end_step(self, model: K3Model, tau: float, updated: bool, clip=None, group=None
                  ) -> dict[str, float]:
         """After the optimizer step (or a skipped one): applies QK-Clip to every MLA layer whose
         recorded max logit exceeded tau, resets the records, returns figures to log.
         `clip(mla, tau) -> (max logit, clipped heads)` is the layout's QK-Clip
-        (parallel.apply.ParallelPlan.qk_clip_); default: one process."""
+        (parallel.apply.ParallelPlan.qk_clip_); default: whole heads on every rank, max logits
+        reduced over `group` (None: the world; under pipeline parallelism the ranks of one
+        stage, the others hold other layers)."""
         if not self.qk_clip:
             return {}
-        clip = clip or _clip_one_process
+        clip = clip or functools.partial(_clip_whole_heads, group=group)
         max_logits, clipped = [], []
         for mla in model.mla_layers():
             if mla.max_logit is None:
@@ -88,9 +92,10 @@ class PrecisionPlan:
         return row
 
 
-def _clip_one_process(mla, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _clip_whole_heads(mla, tau: float, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     from train.optim.qk_clip import qk_clip_
 
+    all_reduce_max(mla.max_logit, group)  # every data-parallel replica clips the same heads
     count = qk_clip_(mla.q_b.weight, mla.kv_b.weight, mla.max_logit, tau, mla.num_heads,
                      mla.nope, mla.rope, mla.v_dim)
     return mla.max_logit.max(), count

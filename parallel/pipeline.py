@@ -1,0 +1,245 @@
+"""Pipeline parallelism: the K3 stack split into stages, run by torch.distributed.pipelining.
+
+Stages hold contiguous layers, balanced by cost (the caller passes each layer's FLOPs, e.g.
+from train/flops.py: MoE vs dense MLP, KDA vs MLA attention); the first stage also holds the
+embedding and the vision tower, the last one the LM head (out-mix, final norm, projection, loss).
+A rank holds `virtual_stages` stages: stage s lives on pipeline rank s % pp for the looped
+schedules (1F1B, Interleaved1F1B), and ranks r and 2*pp-1-r hold the two halves of a "V" for
+ZBVZeroBubble and DualPipeV.
+
+What crosses a stage boundary is a tuple of tensors (never None or a dict: torch's pipelining
+cannot send those, and a peer that receives one hangs): the running partial sum first, then
+the AttnRes blocks completed so far, the embedding among them. Their number is fixed by the
+layer indices, so every boundary has static shapes. The batch's side inputs (tokens, labels,
+cu_seqlens, vision) are not sent: every stage reads its own copy of the micro-batches
+(`PipelineStep.step` gets them on every pipeline rank) through the micro-batch index, which the
+schedule chunks from a keyword argument and hands to every stage.
+
+Collectives stay outside the schedule: the global token count is summed before it (the last
+stage divides each micro-batch's loss by it), and gradient norms, QB statistics and max logits
+are reduced after it, over the groups of one stage (see `stage_groups`), so ranks that hold
+different layers never wait for each other inside a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from model.attnres import BlockState
+from model.batch import K3Batch
+from model.k3 import K3Model
+
+SCHEDULES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+             "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def split_layers(layer_costs: Sequence[float], num_stages: int,
+                 head_cost: float = 0.0) -> list[range]:
+    """Contiguous layer ranges, one per stage, minimising the most expensive stage (the last
+    one also pays `head_cost`); every stage gets at least one layer. Exact: dynamic programming
+    over the split points, O(stages * layers^2), nothing for ~100 layers."""
+    n = len(layer_costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} layers "
+                         f"(one per stage), the model has {n}")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int, stage: int) -> float:  # layers i..j-1 on `stage`
+        return prefix[j] - prefix[i] + (head_cost if stage == num_stages - 1 else 0.0)
+
+    # best[s][j]: the least max-cost of splitting layers [0, j) into s + 1 stages.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, j, 0)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                value = max(best[s - 1][i], cost(i, j, s))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [n], n
+    for s in range(num_stages - 1, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    bounds.append(0)
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def stage_ids(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` runs, in order."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual_stages)]
+
+
+def crossing_blocks(first_layer: int, block_size: int) -> int:
+    """AttnRes blocks completed before layer `first_layer` (the embedding is block 0, pushed by
+    layer 0): the block tensors a stage starting there receives."""
+    return 0 if first_layer == 0 else 1 + (first_layer - 1) // block_size
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a K3 model: forward(*inputs, mb) -> boundary tuple, or the summed
+    token loss on the last stage. `model` is this rank's pruned K3Model (shared modules)."""
+
+    def __init__(self, model: K3Model, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.block_size = model.cfg.attnres_block_size
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        self.embed = model.embed if first else None
+        self.vision = model.vision if first else None
+        self.head = model.head if last else None
+        self._model = (model,)  # not a submodule: its parameters are the union of the stages'
+        self.micro_batches: list[K3Batch] = []
+
+    def forward(self, *inputs: torch.Tensor, mb: torch.Tensor):
+        batch = self.micro_batches[int(mb)]  # a CPU index tensor, chunked by the schedule
+        if self.first:
+            state = BlockState(self._model[0].embed_inputs(batch), self.block_size)
+        else:
+            state = BlockState(inputs[0], self.block_size)
+            state.blocks = list(inputs[1:])
+        self._model[0].run_layers(state, batch, list(self.layers.values()))
+        if self.last:
+            return self.head(state.sources(), batch.labels)[0]
+        return (state.partial, *state.blocks)
+
+
+def prune_to_stages(model: K3Model, splits: Sequence[range], ids: Sequence[int]) -> K3Model:
+    """Keeps in `model` (in place) only what stages `ids` hold; parameter names are unchanged,
+    so checkpoints and optimizer groups see the single-process names."""
+    keep = {str(i) for s in ids for i in splits[s]}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    if 0 not in ids:
+        model.embed = None
+        model.vision = None
+    if len(splits) - 1 not in ids:
+        model.head = None
+    return model
+
+
+class PipelineStep:
+    """This rank's stages and schedule for micro-batches of shape `micro_batch` (rows, tokens).
+
+    `model` is the whole single-process model built with the run's seed (so every stage starts
+    from the single-process weights); it is pruned in place to this rank's stages and kept as
+    `self.model` for the optimizer, checkpoints and the MoE/MLA bookkeeping.
+    `step(micro_batches, global_tokens)` runs forward and backward of one optimizer step and
+    returns this rank's share of the step's loss (the last stage's summed token loss over
+    `global_tokens`; zero elsewhere: sum it over the pipeline group, see `step_loss`)."""
+
+    def __init__(self, model: K3Model, layer_costs: Sequence[float], head_cost: float,
+                 pp_group, schedule: str, virtual_stages: int, n_microbatches: int,
+                 micro_batch: tuple[int, int], device: torch.device):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"parallel.pipeline_schedule={schedule!r}: one of {list(SCHEDULES)}")
+        self.pp_group = pp_group
+        pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        num_stages = pp * virtual_stages
+        self.splits = split_layers(layer_costs, num_stages, head_cost)
+        self.ids = stage_ids(pp_rank, pp, virtual_stages, schedule)
+        self.model = prune_to_stages(model, self.splits, self.ids)
+        self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1)
+                        for s in self.ids]
+        # Static boundary shapes: no metadata-inference forward, which would run the layers on
+        # uninitialised tensors and feed them to the QB histograms and the max-logit records.
+        self.stages = [PipelineStage(m, s, num_stages, device, *self._boundary(s, micro_batch,
+                                                                             device),
+                                     group=pp_group)
+                       for m, s in zip(self.modules, self.ids, strict=True)]
+        self.n_microbatches = n_microbatches
+        self._global_tokens = torch.ones(())
+        # Each micro-batch's loss is already over the global token count: no 1/n scaling.
+        kwargs = {"n_microbatches": n_microbatches, "loss_fn": self._loss, "scale_grads": False}
+        cls = SCHEDULES[schedule]
+        self.schedule = (cls(self.stages[0], **kwargs) if cls is Schedule1F1B
+                         else cls(self.stages, **kwargs))
+        self.has_last = num_stages - 1 in self.ids
+        self.has_first = 0 in self.ids
+
+    def _boundary(self, stage: int, micro_batch: tuple[int, int], device: torch.device):
+        """(inputs, outputs) of a stage as tensors of the shapes and dtypes that cross."""
+        cfg, (b, t) = self.model.cfg, micro_batch
+        dtype = next(self.model.parameters()).dtype  # the partial sum and blocks: fp32 masters
+        layers = self.splits[stage]
+
+        def crossing(first_layer: int) -> tuple[torch.Tensor, ...]:
+            count = 1 + crossing_blocks(first_layer, cfg.attnres_block_size)  # partial, blocks
+            return tuple(torch.empty(b, t, cfg.hidden_size, dtype=dtype, device=device,
+                                     requires_grad=True) for _ in range(count))
+
+        inputs = ((torch.zeros(b, t, dtype=torch.long, device=device),) if stage == 0
+                  else crossing(layers.start))
+        outputs = ((torch.empty((), dtype=torch.float32, device=device),)
+                   if stage == len(self.splits) - 1 else crossing(layers.stop))
+        return inputs, outputs
+
+    def _loss(self, loss_sum: torch.Tensor, _target) -> torch.Tensor:
+        return loss_sum / self._global_tokens
+
+    def step(self, micro_batches: list[K3Batch], global_tokens: torch.Tensor) -> torch.Tensor:
+        if len(micro_batches) != self.n_microbatches:
+            raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, "
+                             f"got {len(micro_batches)}")
+        self._global_tokens = global_tokens.reshape(()).clamp_min(1.0)
+        for m in self.modules:
+            m.micro_batches = micro_batches
+        index = torch.arange(len(micro_batches)).view(-1, 1)
+        args = (torch.cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        # The last stage needs a target to chunk (its loss comes from the stage's own labels).
+        self.schedule.step(*args, mb=index, target=index, return_outputs=False,
+                           losses=losses if self.has_last else None)
+        for m in self.modules:
+            m.micro_batches = []
+        if self.has_last:
+            return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.zeros((), device=global_tokens.device)
+
+
+def step_loss(local: torch.Tensor, pp_group) -> torch.Tensor:
+    """The step's loss on every pipeline rank (only the last stage computed it)."""
+    total = local.detach().clone()
+    dist.all_reduce(total, group=pp_group)
+    return total
+
+
+def pipeline_grad_norm(params: Sequence[nn.Parameter], pp_group) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient: each pipeline rank holds different parameters,
+    so the squared norms add up over the pipeline group."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    dist.all_reduce(sq, group=pp_group)
+    return sq.sqrt()
+
+
+def clip_pipeline_grads_(params: Sequence[nn.Parameter], max_norm: float,
+                         pp_group) -> torch.Tensor:
+    """clip_grad_norm_ over the whole pipelined model; returns the norm before clipping."""
+    params = list(params)
+    norm = pipeline_grad_norm(params, pp_group)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
+

@@ -1,0 +1,61 @@
+"""Context curriculum: a run moves from one stage to the next from its checkpoint, keeping the
+step count, the optimizer state, the QB biases and its position in the data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from data_pipeline.loader import K3DataLoader
+from data_pipeline.manifest import manifest_path
+from tests.train_helpers import FAST, read_metrics, run_train
+
+
+def test_loader_continues_a_switched_stage_at_the_same_token_position(sample_data_dir):
+    manifest = manifest_path(sample_data_dir)
+    short = K3DataLoader(manifest, 128, 2, grad_accum=2)
+    for _ in range(6):  # 3 optimizer steps of 2 x 2 rows of 128 tokens: 1536 tokens
+        next(short)
+    state = short.state_dict()
+    same = K3DataLoader(manifest, 128, 2, grad_accum=2)
+    assert same.continue_from(state) is None and same.step == 6  # an exact resume
+    longer = K3DataLoader(manifest, 256, 2, grad_accum=1, seed=7)
+    changed = longer.continue_from(state)
+    assert changed == "grad_accum 2 -> 1, seed 0 -> 7, seq_len 128 -> 256"
+    assert longer.step == 3  # ceil(1536 / (2 rows x 256 tokens)) optimizer steps of 1 batch
+    state["fingerprint"] = "another dataset"
+    with pytest.raises(ValueError, match="fingerprint.*same dataset"):
+        longer.continue_from(state)
+
+
+def _checkpoint(run, step: int, tmp_path) -> dict:
+    out = tmp_path / f"step{step}.pt"
+    dcp_to_torch_save(run / "checkpoints" / f"step_{step:08d}", out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_switch_to_the_next_stage_from_a_checkpoint(tmp_path, sample_data_dir):
+    run = tmp_path / "run"
+    run_train(run, sample_data_dir, *FAST, "stage=tiny", "steps=2")
+    first = _checkpoint(run, 2, tmp_path)
+    # stage 2 at twice the context, half the rows: the same tokens per step
+    out = run_train(run, sample_data_dir, *FAST, "stage=tiny_s2", "stage.seq_len=256",
+                    "stage.micro_batch_size=1", "stage.global_batch_size=2", "steps=4")
+    assert "stage tiny_s2 continues the run (" in out.stderr + out.stdout
+    assert "seq_len 128 -> 256" in out.stderr + out.stdout
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    second = _checkpoint(run, 4, tmp_path)
+    loader = json.loads((run / "checkpoints" / "step_00000004" / "rank00000.json").read_text())
+    # data: 2 steps of 4 x 128 tokens = 2 steps of 2 x 256, then the 2 steps of stage 2
+    assert (loader["loader"]["seq_len"], loader["loader"]["step"]) == (256, 8)
+    # the optimizer continued: its step counters count all 4 steps, not 2 of a fresh start
+    steps = {float(s["step"]) for s in second["optim"]["state"].values() if "step" in s}
+    assert steps == {4.0}, steps
+    biases = [k for k in first["model"] if k.endswith("balancer.bias")]
+    assert biases
+    for k in biases:  # QB kept its biases and went on updating them
+        assert not torch.equal(first["model"][k], second["model"][k])
