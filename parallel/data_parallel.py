@@ -103,3 +103,35 @@ class ZeroOneOwnership:
         for name, p in self.params.items():
             src = dist.get_global_rank(self.group, self.owner[name])
             dist.broadcast(_local(p), src=src, group=self.group)
+
+
+def allreduce_gradients(params: list[torch.Tensor], group, bucket_bytes: int = 64 << 20) -> None:
+    """Sums the gradients of `params` over `group` in flat buckets, for plans that torch's
+    DDP / FSDP2 `replicate` cannot express: those reduce every parameter of a module over one
+    mesh, while expert parallelism reduces dense and expert weights over different groups, and a
+    pipeline stage reduces only the parameters it holds."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        bucket.append(p.grad)
+        size += p.grad.numel() * p.grad.element_size()
+        if size >= bucket_bytes:
+            _reduce_bucket(bucket, group)
+            bucket, size = [], 0
+    if bucket:
+        _reduce_bucket(bucket, group)
+
+
+def _reduce_bucket(grads: list[torch.Tensor], group) -> None:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

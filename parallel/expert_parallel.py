@@ -16,43 +16,13 @@ import torch.distributed as dist
 from torch import nn
 
 from model.k3 import K3Model
+from parallel.data_parallel import allreduce_gradients
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.dynamic import DynamicDispatcher
 from parallel.moonep.transport import CollectiveTransport
 
 DISPATCHES = ("moonep", "dynamic")
 TRANSPORTS = ("collective",)
-
-
-def allreduce_gradients(params: list[torch.Tensor], group, bucket_bytes: int = 64 << 20) -> None:
-    """Sums the gradients of `params` over `group` in flat buckets. Written here rather than
-    taken from DDP / FSDP2's replicate: those reduce every parameter of a module over one mesh,
-    while expert parallelism reduces dense and expert weights over different groups."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for p in params:
-        bucket.append(p.grad)
-        size += p.grad.numel() * p.grad.element_size()
-        if size >= bucket_bytes:
-            _reduce_bucket(bucket, group)
-            bucket, size = [], 0
-    if bucket:
-        _reduce_bucket(bucket, group)
-
-
-def _reduce_bucket(grads: list[torch.Tensor], group) -> None:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch: str = "moonep",

@@ -134,7 +134,7 @@ def _check_layout(parallel: ParallelConfig, rank: int, reference, base: K3Model,
                                     dp_group)
             loss = all_reduce_sum(step_loss(runner.step(mine, tokens), pp_group), dp_group)
             fill_missing_gradients(model)
-            allreduce_gradients(model, dp_group)
+            allreduce_gradients([p for p in model.parameters() if p.requires_grad], dp_group)
             norm = clip_pipeline_grads_(model.parameters(), 1.0, pp_group)
             ref_loss, ref_norm, ref_grads, ref_clip = record[step]
             named = dict(model.named_parameters())
