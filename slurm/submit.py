@@ -20,7 +20,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from model.config import ConfigError
-from train.cli import CONFIG_DIR, prepare_tool_argv, register_configs, to_train_config
+from train.cli import (
+    CONFIG_DIR,
+    hydra_exit_codes,
+    prepare_tool_argv,
+    register_configs,
+    to_train_config,
+)
 from train.config import TrainConfig, validate_train_config
 
 from .render import render, validate_slurm
@@ -83,8 +89,13 @@ register_configs()
 _dry_run = False
 
 
+_task_started = False  # set once Hydra has composed the config and calls the task
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
     try:
         train_cfg, job_cfg, script = prepare(cfg, query_cluster=not _dry_run)
     except ConfigError as e:
@@ -106,7 +117,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     global _dry_run
     _dry_run = prepare_tool_argv("--dry-run")
-    _hydra_main()
+    hydra_exit_codes(_hydra_main, lambda: _task_started)
 
 
 if __name__ == "__main__":

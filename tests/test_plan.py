@@ -95,3 +95,15 @@ def test_long_context_plan_says_which_context_stages_fit_an_h200():
     assert len({round(r["total_gib"] - r["activations_gib"], 6) for r in rows}) == 1
     assert [r["fits_h200"] for r in rows] == [t * 2**30 <= 0.9 * 141e9 for t in totals]
     assert [r["fits_h200"] for r in rows] == [True, True, True, False]  # 1M needs more CP
+
+
+@pytest.mark.parametrize("module", ["train.plan", "slurm.submit"])
+def test_hydra_errors_of_the_tools_exit_2_like_every_config_error(module):
+    """An unknown config group option is Hydra's own error (exit 1 in Hydra); k3-plan and
+    k3-submit report it with the project's config-error code, as k3-train does."""
+    args = [sys.executable, "-m", module, "model=no_such_preset"]
+    if module == "slurm.submit":
+        args.append("--dry-run")
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "no_such_preset" in out.stderr

@@ -87,15 +87,15 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
-def hydra_exit_codes(main) -> None:
+def hydra_exit_codes(main, task_started=lambda: _task_started) -> None:
     """Runs a @hydra.main function; Hydra reports its own errors (an override it cannot parse,
     a config group option that does not exist) with exit code 1, which here becomes
     EXIT_CONFIG_ERROR, like every other configuration error. An error raised by the task itself
-    keeps its code."""
+    (`task_started()` true) keeps its code. k3-plan and k3-submit pass their own flag."""
     try:
         main()
     except SystemExit as e:
-        if e.code == 1 and not _task_started:
+        if e.code == 1 and not task_started():
             sys.exit(EXIT_CONFIG_ERROR)
         raise
 

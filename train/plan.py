@@ -30,7 +30,7 @@ from model.params import count_parameters
 from parallel.moonep.traffic import moe_layer_traffic
 from parallel.topology import Topology
 
-from .cli import CONFIG_DIR, prepare_tool_argv, register_configs, to_train_config
+from .cli import CONFIG_DIR, hydra_exit_codes, prepare_tool_argv, register_configs, to_train_config
 from .flops import forward_flops_per_token, training_flops_per_token
 from .saved_activations import checkpointed_inputs_bytes, traced_head_bytes, traced_layer_bytes
 
@@ -224,8 +224,13 @@ _as_json = False
 _long_context = False
 
 
+_task_started = False  # set once Hydra has composed the config and calls the task
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
     try:
         train_cfg = to_train_config(cfg)
         train_cfg.model.validate("model")
@@ -242,7 +247,7 @@ def main() -> None:
     if _long_context:
         sys.argv.remove("--long-context")
     _as_json = prepare_tool_argv("--json")
-    _hydra_main()
+    hydra_exit_codes(_hydra_main, lambda: _task_started)
 
 
 if __name__ == "__main__":
