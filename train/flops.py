@@ -43,15 +43,17 @@ def _attention_core_flops(cfg: K3Config, seq_len: int, causal: bool) -> dict[str
     """Forward FLOPs per token of each attention core for documents of length seq_len.
 
     MLA: q.k and p.v over the visible context (on average (T+1)/2 tokens when causal, T when
-    counting a dense masked kernel). KDA (chunked form, chunk C, head dims K and V): the
-    intra-chunk k.k and q.k products (2CK each), the triangular solve against [V | K] (C(K+V)),
-    the intra-chunk output (2CV) and the three state products (6KV).
+    counting a dense masked kernel). KDA (the chunk form K3's bounded gate takes, chunk C, head
+    dims K and V; model/ops/kda.py): the factorised intra-chunk scores of q and k rows against
+    the chunk's keys (4CK), W = A (k exp(G)) (2CK), U = A v and the intra-chunk output (2CV
+    each) and the three state products (6KV); the unit-triangular inverse (C^2 per token) is a
+    solve, which FLOP counters and MFU conventions leave out.
     """
     m, k = cfg.mla, cfg.kda
     ctx = (seq_len + 1) / 2 if causal else seq_len
     mla = 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * ctx
     c, dk, dv = k.chunk_size, k.head_dim, k.head_dim
-    kda = k.num_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
+    kda = k.num_heads * (6 * c * dk + 4 * c * dv + 6 * dk * dv)
     return {"mla": mla, "kda": kda}
 
 
