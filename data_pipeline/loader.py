@@ -273,13 +273,13 @@ class K3DataLoader:
 
     def continue_from(self, state: dict) -> str | None:
         """Resumes from a checkpointed state: exactly (load_state_dict) when it was written for
-        the same stage and layout; after a context-curriculum switch (another seq_len,
-        micro-batch, global batch, DP size or seed on the same dataset) at the same position in
+        the same stage (any layout: the position is global); after a context-curriculum switch
+        (another seq_len, global batch or seed on the same dataset) at the same position in
         the token stream: the new stage starts at the first optimizer step past the tokens the
         earlier stages consumed, which is the same fraction of an epoch (every packing of the
         dataset holds its tokens once per epoch). Returns None, or what changed (for the log)."""
         mine = self.state_dict()
-        changed = {k for k in mine if k not in ("step", "dp_rank") and state.get(k) != mine[k]}
+        changed = {k for k in mine if k != "optimizer_step" and state.get(k) != mine[k]}
         if not changed:
             self.load_state_dict(state)
             return None
@@ -287,8 +287,7 @@ class K3DataLoader:
             if state.get(key) != mine[key]:
                 raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader "
                                  f"{mine[key]!r}: a stage switch continues on the same dataset")
-        rows = state["micro_batch_size"] * state["dp_world_size"] * state["grad_accum"]
-        tokens = state["step"] // state["grad_accum"] * rows * state["seq_len"]
+        tokens = int(state["optimizer_step"]) * state["global_batch"] * state["seq_len"]
         s = self.source
         per_step = s.global_batch * s.seq_len
         self.step = -(-tokens // per_step) * s.grad_accum

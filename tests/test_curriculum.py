@@ -24,7 +24,7 @@ def test_loader_continues_a_switched_stage_at_the_same_token_position(sample_dat
     assert same.continue_from(state) is None and same.step == 6  # an exact resume
     longer = K3DataLoader(manifest, 256, 2, grad_accum=1, seed=7)
     changed = longer.continue_from(state)
-    assert changed == "grad_accum 2 -> 1, seed 0 -> 7, seq_len 128 -> 256"
+    assert changed == "global_batch 4 -> 2, seed 0 -> 7, seq_len 128 -> 256"
     assert longer.step == 3  # ceil(1536 / (2 rows x 256 tokens)) optimizer steps of 1 batch
     state["fingerprint"] = "another dataset"
     with pytest.raises(ValueError, match="fingerprint.*same dataset"):
@@ -51,9 +51,11 @@ def test_switch_to_the_next_stage_from_a_checkpoint(tmp_path, sample_data_dir):
     second = _checkpoint(run, 4, tmp_path)
     loader = json.loads((run / "checkpoints" / "step_00000004" / "rank00000.json").read_text())
     # data: 2 steps of 4 x 128 tokens = 2 steps of 2 x 256, then the 2 steps of stage 2
-    assert (loader["loader"]["seq_len"], loader["loader"]["step"]) == (256, 8)
+    assert (loader["loader"]["seq_len"], loader["loader"]["optimizer_step"]) == (256, 4)
     # the optimizer continued: its step counters count all 4 steps, not 2 of a fresh start
-    steps = {float(s["step"]) for s in second["optim"]["state"].values() if "step" in s}
+    # (the optimizer state is saved flattened: one "state.<parameter>.<field>" key per entry)
+    steps = {float(v) for k, v in second["optim"].items()
+             if k.startswith("state.") and k.endswith(".step")}
     assert steps == {4.0}, steps
     biases = [k for k in first["model"] if k.endswith("balancer.bias")]
     assert biases
