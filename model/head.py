@@ -26,9 +26,14 @@ from .norms import RMSNorm
 IGNORE_INDEX = -100
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or wider for a wider model (float64 reference runs keep their precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def full_logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed fp32 token cross entropy of logits [..., V] against labels [...]."""
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1),
+    return F.cross_entropy(logits.to(loss_dtype(logits.dtype)).flatten(0, -2), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -43,11 +48,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_tokens):
         valid = labels != IGNORE_INDEX
         targets = torch.where(valid, labels, torch.zeros_like(labels))
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        wide = loss_dtype(hidden.dtype)
+        lse = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
+        loss = torch.zeros((), dtype=wide, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            logits = F.linear(hidden[rows], weight).float()
+            logits = F.linear(hidden[rows], weight).to(wide)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
             loss += torch.where(valid[rows], lse[rows] - target_logit, 0.0).sum()
@@ -60,11 +66,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, valid, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
-        scale = torch.where(valid, grad_loss, 0.0)  # [N] fp32
+        wide = lse.dtype
+        grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
+        scale = torch.where(valid, grad_loss, 0.0)  # [N] fp32 (or wider)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            grad_logits = F.linear(hidden[rows], weight).float()
+            grad_logits = F.linear(hidden[rows], weight).to(wide)
             grad_logits.sub_(lse[rows, None]).exp_()  # softmax
             grad_logits.scatter_add_(1, targets[rows, None],
                                      torch.full_like(lse[rows, None], -1.0))
@@ -73,7 +80,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
-                grad_weight += (grad_logits.T @ hidden[rows]).float()
+                grad_weight += (grad_logits.T @ hidden[rows]).to(wide)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
@@ -108,6 +115,7 @@ class LMHead(nn.Module):
         """Returns (loss_sum fp32, fp32 logits [..., V] if return_logits else None)."""
         h = self.norm(self.out_mix(sources))
         if return_logits or self.chunk_tokens == 0:
-            logits = self.output(h).float()
+            logits = self.output(h)
+            logits = logits.to(loss_dtype(logits.dtype))
             return full_logits_loss(logits, labels), logits if return_logits else None
         return chunked_linear_cross_entropy(h, self.output.weight, labels, self.chunk_tokens), None
