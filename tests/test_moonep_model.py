@@ -257,6 +257,41 @@ def check_composed_layouts(world: int) -> None:
         torch.set_default_dtype(torch.float32)
 
 
+def check_fsdp_checkpoint_round_trip(root: str, world: int) -> None:
+    """EP2 x FSDP2 saved after one step of k3-train's step loads into a fresh EP2 x FSDP2 model
+    built from another seed: every parameter and AdamW moment bit-equal as logical tensors.
+    (k3-train's test resumes such a checkpoint in one process.)"""
+    from train.loop import build_parallel_model, train_step
+
+    cpu = torch.device("cpu")
+    cfg = with_layout(tiny_config("adamw"), **COMPOSED["EP2 x FSDP2"])
+    topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
+    rank = topology.rank_in("dp")
+
+    def state(model, optimizers):
+        opt_state = {p: s for opt in optimizers for p, s in opt.state.items()}
+        return {n: [_logical(p, t, topology) for t in (p, opt_state[p]["exp_avg"],
+                                                         opt_state[p]["exp_avg_sq"])]
+                for n, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    model, precision, parallel, optimizers = build_parallel_model(cfg, topology, cpu)
+    train_step(model, optimizers, [global_batch(0, rank, 1)], cpu, precision, parallel,
+               cfg.optim)
+    saver = Checkpointer(root, 1, dist.get_rank(), world, parallel.sharded_state)
+    path = saver.save(1, model, optimizers, {})
+    saved = state(model, optimizers)
+    torch.manual_seed(1)
+    loaded, _, loaded_plan, loaded_opts = build_parallel_model(cfg, topology, cpu)
+    loader = Checkpointer(root, 1, dist.get_rank(), world, loaded_plan.sharded_state)
+    assert loader.load(path, loaded, loaded_opts, lambda s: None) == 1
+    for name, values in state(loaded, loaded_opts).items():
+        for what, expected, value in zip(("weight", "exp_avg", "exp_avg_sq"), saved[name],
+                                         values, strict=True):
+            assert torch.equal(expected, value), ("EP2 x FSDP2", name, what)
+    topology.destroy()
+
+
 def _world_of_four(rank: int, world: int, root: str) -> None:
     assert world == 4
     everyone = dist.group.WORLD
@@ -277,6 +312,7 @@ def _world_of_four(rank: int, world: int, root: str) -> None:
                  qat=True)
     check_checkpoint_reshards(root, pair, stride, everyone)
     check_composed_layouts(world)
+    check_fsdp_checkpoint_round_trip(f"{root}/ep2_fsdp2", world)
 
 
 @pytest.mark.timeout(600)
