@@ -1,15 +1,15 @@
 """The one entry from the training loop into parallelism: `parallelize(model, topology, cfg)`.
 
-Order (torchtitan's): tensor/sequence parallelism -> context parallelism -> (expert
-parallelism: its own plan, later) -> activation checkpointing -> torch.compile -> data
-parallelism. Context-parallel ranks hold different tokens of one model replica, so for the
-gradients (and ZeRO-1 ownership) they are data-parallel ranks: data parallelism runs over
-dp_shard x cp (torchtitan's dp_shard_cp). The returned
-`ParallelPlan` is everything the loop needs that depends on the layout, so the loop never
-branches on it: the loss context, the optimizer's ownership and Muon exchange, the gradient
-finish and norm, the post-step broadcast, and the reductions over named groups (loss tokens over
-dp x cp, Quantile Balancing over the ranks that see the same experts, QK-Clip's max logit over
-dp x cp with heads apart under tensor parallelism).
+Order (torchtitan's): expert parallelism (`shard_experts`, before precision and the
+optimizer) -> tensor/sequence parallelism -> context parallelism -> activation checkpointing ->
+torch.compile -> data parallelism. Context-parallel ranks hold different tokens of one model
+replica, so for the gradients (and ZeRO-1 ownership) they are data-parallel ranks: data
+parallelism runs over dp_shard x cp (torchtitan's dp_shard_cp). The returned `ParallelPlan` is
+everything the loop needs that depends on the layout, so the loop never branches on it: the
+loss context, the optimizer's ownership and Muon exchange, the gradient finish and norm, the
+post-step broadcast, and the reductions over named groups (loss tokens over dp x cp, Quantile
+Balancing over the ranks that route different tokens to the same experts, QK-Clip's max logit
+over dp x cp with heads apart under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .expert_parallel import (
     allreduce_expert_parallel_gradients,
     apply_expert_parallel,
     clip_grad_norm_expert_parallel,
+    mark_expert_parameters,
 )
 from .muon_exchange import DTensorExchange
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
@@ -55,6 +56,8 @@ class ParallelPlan:
     exchange: MatrixExchange = LocalExchange()
     context: ContextParallel | None = None
     expert_parallel: bool = False  # experts sharded (shard_experts): own gradient reductions
+    # Ranks that route different tokens to the same experts (Quantile Balancing's statistics).
+    balancer_group: str = "dp_cp"
 
     def _group(self, name: str):
         return None if self.topology is None else self.topology.group(name)
@@ -83,17 +86,19 @@ class ParallelPlan:
 
     def sum_balancer_counts(self, t: torch.Tensor) -> torch.Tensor:
         """Quantile Balancing statistics over the ranks that route different tokens to the same
-        experts: dp x cp (tensor-parallel ranks route the same gathered tokens)."""
-        return _all_reduce(t, dist.ReduceOp.SUM, self._group("dp_cp"))
+        experts: dp x cp (tensor-parallel ranks route the same gathered tokens), dp x cp x tp
+        under expert x tensor parallelism (each tensor-parallel rank routes its own tokens)."""
+        return _all_reduce(t, dist.ReduceOp.SUM, self._group(self.balancer_group))
 
     def finish_gradients(self) -> None:
         """After backward: gradients for unreached parameters and, without data parallelism's
-        reduction, the tensor-parallel partial sums completed. Under expert parallelism dense
-        gradients are summed over dp x cp and expert gradients over the expert-data ranks."""
+        reduction, the tensor-parallel partial sums completed. Under expert parallelism without
+        FSDP2 dense gradients are summed over dp x cp and expert gradients over the expert-data
+        ranks here (FSDP2 reduces each over its own mesh)."""
         if not self.data_parallel:
             reduce_partial_gradients(self.model)
         fill_missing_gradients(self.model)
-        if self.expert_parallel:
+        if self.expert_parallel and not self.data_parallel:
             allreduce_expert_parallel_gradients(self.model, self._group("dp_cp"),
                                                 self._group("edp"))
 
@@ -103,7 +108,8 @@ class ParallelPlan:
         experts under expert parallelism) at their logical shapes; None otherwise."""
         if not self.expert_parallel:
             return None
-        return ExpertShardedState(self.model, self.topology.mesh("edp", "ep"))
+        dims = ("ep", "edp") if self.data_parallel else ("edp", "ep")  # see ExpertShardedState
+        return ExpertShardedState(self.model, self.topology.mesh(*dims))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -180,27 +186,38 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
                                   "are separate plans not applied to k3-train yet")
     plan = ParallelPlan(model, topology)
     plan.expert_parallel = topology is not None and topology.ep > 1
+    if plan.expert_parallel and topology.data_shard == "optimizer":
+        raise NotImplementedError("parallel.data_shard=optimizer (ZeRO-1) with parallel.expert "
+                                  "> 1: use none or full")
     mesh = None
     shard_dim = "dp_shard"
     if topology is not None and topology.world_size > 1:
         shard_dim = "dp_shard_cp" if topology.cp > 1 else "dp_shard"
         mesh = topology.mesh("dp_replicate", shard_dim, "tp")
     if mesh is not None and topology.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel)
+        apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel,
+                              expert_parallel=plan.expert_parallel)
+        if plan.expert_parallel:
+            plan.balancer_group = "dp_cp_tp"
     if mesh is not None and topology.cp > 1:
         plan.context = apply_context_parallel(model, topology)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, autocast)
     if cfg.compile:
         compile_sublayers(model)
-    if mesh is not None and topology.dp * topology.cp > 1 and not plan.expert_parallel:
+    # Expert parallelism with data_shard=none reduces its gradients by hand (finish_gradients).
+    if (mesh is not None and topology.dp * topology.cp > 1
+            and (not plan.expert_parallel or topology.data_shard == "full")):
         mode = topology.data_shard
         if mode != "full" and topology.dp_replicate > 1:
             raise NotImplementedError("parallel.data_replicate > 1 is HSDP: it needs "
                                       "parallel.data_shard=full")
         dp_mesh = (mesh["dp_replicate", shard_dim] if topology.dp_replicate > 1
                    else mesh[shard_dim])
-        apply_data_parallel(model, dp_mesh, mode)
+        apply_data_parallel(model, dp_mesh, mode,
+                            topology.mesh("edp") if plan.expert_parallel else None)
+        if plan.expert_parallel:
+            mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
         plan.data_parallel = True
         if mode == "optimizer":
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

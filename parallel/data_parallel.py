@@ -47,20 +47,27 @@ def _units(model: K3Model) -> list[nn.Module]:
     return [*model.layers.values(), model]
 
 
-def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str) -> None:
+def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
+                        expert_mesh: DeviceMesh | None = None) -> None:
     """Wraps `model` in place for data parallelism over `mesh` (1-D, or 2-D dp_replicate x
-    dp_shard for HSDP with mode full)."""
+    dp_shard for HSDP with mode full). `expert_mesh` (mode full under expert parallelism): the
+    expert-data-parallel ranks, which hold the same experts; each MoE layer's experts become
+    their own unit sharded over it first, so the enclosing layer leaves them out (torchtitan's
+    dp_shard_mod_ep)."""
     if mode not in MODES:
         raise ValueError(f"parallel.data_shard={mode!r}: must be one of {list(MODES)}")
+    units = [(unit, mesh) for unit in _units(model)]
+    if expert_mesh is not None:
+        units = [(moe.experts, expert_mesh) for moe in model.moe_layers()] + units
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for unit in _units(model):
+    for unit, unit_mesh in units:
         if mode == "full":
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, mesh=unit_mesh, mp_policy=policy)
         else:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            replicate(unit, mesh=mesh, mp_policy=policy)
-    for unit in _units(model):
+            replicate(unit, mesh=unit_mesh, mp_policy=policy)
+    for unit, _ in units:
         assert isinstance(unit, FSDPModule)
         unit.set_gradient_divide_factor(1.0)  # a sum: see the module docstring
         # Plain SUM collectives (gloo has no PREMUL_SUM; the factor is 1 anyway).
@@ -115,8 +122,9 @@ def allreduce_gradients(params: list[torch.Tensor], group, bucket_bytes: int = 6
     bucket: list[torch.Tensor] = []
     size = 0
     for p in params:
-        bucket.append(p.grad)
-        size += p.grad.numel() * p.grad.element_size()
+        grad = _local(p.grad)  # tensor-parallel DTensors: their partial sums completed first
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
         if size >= bucket_bytes:
             _reduce_bucket(bucket, group)
             bucket, size = [], 0

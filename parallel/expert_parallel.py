@@ -6,7 +6,8 @@ layer gets an expert-parallel dispatcher: MoonEP (static shapes, no host sync) o
 all-to-all baseline. Gradients: dense parameters are summed over the data-parallel ranks (every
 rank when EP is carved out of DP, as in Megatron), expert weights over the expert-data-parallel
 ranks (the ranks holding the same experts), after backward has already returned the copies'
-gradients to their owners.
+gradients to their owners: by hand with data_shard=none, by FSDP2 with data_shard=full (the
+experts then are their own FSDP unit over the expert-data-parallel mesh).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from model.k3 import K3Model
 from parallel.data_parallel import allreduce_gradients
@@ -45,7 +47,6 @@ def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch:
         home = slice(rank * per_rank, (rank + 1) * per_rank)
         experts.w1 = nn.Parameter(experts.w1.detach()[home].clone())
         experts.w2 = nn.Parameter(experts.w2.detach()[home].clone())
-        experts.w1.expert_parallel = experts.w2.expert_parallel = True
         experts.num_experts = per_rank
         if dispatch == "moonep":
             dispatcher = MoonEPDispatcher(num_experts, CollectiveTransport(ep_group), alignment)
@@ -53,6 +54,13 @@ def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch:
         else:
             dispatcher = DynamicDispatcher(num_experts, ep_group)
         moe.dispatcher = dispatcher
+    mark_expert_parameters(model)
+
+
+def mark_expert_parameters(model: K3Model) -> None:
+    """Tags the (sharded) expert weights; again after FSDP2 has replaced them by DTensors."""
+    for moe in model.moe_layers():
+        moe.experts.w1.expert_parallel = moe.experts.w2.expert_parallel = True
 
 
 def is_expert_parameter(param: torch.Tensor) -> bool:
@@ -71,37 +79,56 @@ def allreduce_expert_parallel_gradients(model: nn.Module, dp_group: dist.Process
 def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
                                    ep_group: dist.ProcessGroup) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole (logical) model when expert weights are
-    sharded over `ep_group`: dense gradients are the same on every rank, each rank adds its
-    home experts' squares, one all-reduce over the EP ranks gives the global norm. Call after
-    the gradient reductions; returns the total norm (a device tensor, no host sync)."""
+    sharded over `ep_group`: dense gradients are the same on every rank (DTensors: their full
+    norm), each rank adds its home experts' squares, one all-reduce over the EP ranks gives the
+    global norm. Call after the gradient reductions; returns the total norm (a device tensor,
+    no host sync)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    device = params[0].grad.device
+    device = _local(params[0].grad).device
 
     def squares(group: list[torch.Tensor]) -> torch.Tensor:
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return sum((p.grad.double().square().sum() for p in group), zero)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for p in group:
+            square = p.grad.double().square().sum()
+            total = total + (square.full_tensor() if isinstance(square, DTensor) else square)
+        return total
 
     expert_sq = squares([p for p in params if is_expert_parameter(p)])
     dist.all_reduce(expert_sq, group=ep_group)
     total = (squares([p for p in params if not is_expert_parameter(p)]) + expert_sq).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
+        p.grad.mul_(coef.to(_local(p.grad).dtype))
     return total.float()
 
 
 class ExpertShardedState:
     """Shows torch.distributed.checkpoint the logical experts: in the model and optimizer state
     dicts (get_state_dict's, keyed by parameter name) each expert tensor becomes a DTensor of
-    the full [E, ...] shape, Shard(0) over the EP ranks and replicated over the expert-data-
-    parallel ranks, so a checkpoint holds every expert once and loads into any EP layout or
-    one process. `mesh` is the 2-D (edp, ep) mesh. Both methods return new dicts (the inputs
-    may share their inner dicts with the live optimizer state); the DTensors share the local
-    tensors' storage, so a load fills the local shards and `unwrap` hands back plain tensors."""
+    the full [E, ...] shape, Shard(0) over the EP ranks, so a checkpoint holds every expert once
+    and loads into any EP layout or one process. `mesh`: the 2-D (edp, ep) mesh when every
+    expert-data-parallel rank holds its home experts whole (replicated over edp), the (ep, edp)
+    mesh when FSDP2 shards them over the expert-data-parallel ranks too (expert e's rows: EP
+    rank outer, edp shard inner). Both methods return new dicts (the inputs may share their
+    inner dicts with the live optimizer state); the DTensors share the local tensors' storage,
+    so a load fills the local shards and `unwrap` hands back this rank's tensors as they were
+    (plain, or FSDP2's DTensors)."""
+
+    _PLACEMENTS = {("edp", "ep"): (Replicate(), Shard(0)), ("ep", "edp"): (Shard(0), Shard(0))}
 
     def __init__(self, model: nn.Module, mesh):
-        self.names = {name for name, p in model.named_parameters() if is_expert_parameter(p)}
+        experts = {name: p for name, p in model.named_parameters() if is_expert_parameter(p)}
+        self.names = set(experts)
+        # FSDP2's mesh of the expert weights (unwrap hands their DTensors back on it), or None.
+        self.fsdp_mesh = next((p.device_mesh for p in experts.values()
+                               if isinstance(p, DTensor)), None)
+        expected = ("ep", "edp") if self.fsdp_mesh is not None else ("edp", "ep")
+        if mesh.mesh_dim_names != expected:
+            raise ValueError(f"ExpertShardedState needs the {expected} mesh for these experts "
+                             f"(see the class docstring), got {mesh.mesh_dim_names}")
         self.mesh = mesh
+        self.placements = list(self._PLACEMENTS[expected])
+        self.ep = mesh.size(mesh.mesh_dim_names.index("ep"))
 
     def _map(self, model_sd: dict, optim_sd: dict, fn) -> tuple[dict, dict]:
         model_sd = {k: fn(v) if k in self.names else v for k, v in model_sd.items()}
@@ -119,12 +146,33 @@ class ExpertShardedState:
         return key[len("state."):].rsplit(".", 1)[0] in self.names
 
     def wrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        def to_dtensor(t: torch.Tensor):
-            return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)], run_check=False)
+        def to_dtensor(t: torch.Tensor) -> DTensor:
+            home = t.shape  # this rank's home experts (FSDP2: all of them, as a DTensor)
+            logical = (home[0] * self.ep, *home[1:])
+            return DTensor.from_local(_local(t), self.mesh, self.placements, run_check=False,
+                                      shape=logical, stride=_contiguous_strides(logical))
 
         return self._map(model_sd, optim_sd, to_dtensor)
 
     def unwrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        if self.fsdp_mesh is not None:
+            def to_fsdp(t: DTensor) -> DTensor:
+                home = (t.shape[0] // self.ep, *t.shape[1:])
+                return DTensor.from_local(t.to_local(), self.fsdp_mesh, [Shard(0)],
+                                          run_check=False,
+                                          shape=home, stride=_contiguous_strides(home))
+
+            return self._map(model_sd, optim_sd, to_fsdp)
         return self._map(model_sd, optim_sd, lambda t: t.to_local())
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= size
+    return tuple(reversed(strides))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

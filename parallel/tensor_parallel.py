@@ -13,8 +13,10 @@ Per module kind:
   their norms replicated; the output projection row-parallel.
 - Dense MLP: the fused gate/up projection column-parallel with a strided shard (each rank holds
   its slice of the gate rows and of the up rows), the down projection row-parallel.
-- MoE: replicated on the tensor-parallel ranks (expert parallelism shards experts; a separate
-  plan), computed on the gathered tokens.
+- MoE: replicated on the tensor-parallel ranks, computed on the gathered tokens. Under expert
+  parallelism (Megatron's layout with expert_tensor=1) each tensor-parallel rank instead routes
+  its own 1/tp of the tokens and the expert-parallel dispatcher takes them to the experts
+  (`SplitTokens`).
 - Vision tower: replicated, its tokens merged into the gathered embedding.
 - Embedding: vocab-parallel; LM head: column-parallel over the vocab with `loss_parallel`, so the
   full fp32 logits of the whole vocab never exist on one rank.
@@ -56,13 +58,17 @@ from model.mla import GatedMLA
 from model.mlp import SiTUGLUMLP
 from model.moe import LatentMoE
 
+from .expert_parallel import is_expert_parameter
 
-def _distribute_parameters(module: nn.Module, mesh: DeviceMesh,
-                           placements: dict[str, Placement]) -> list[tuple[str, nn.Parameter]]:
+
+def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
+                           keep_local=lambda param: False) -> list[tuple[str, nn.Parameter]]:
     """Replaces every parameter of `module` (recursively) by a DTensor parameter; placements by
-    name relative to `module`, Replicate where not named."""
+    name relative to `module`, Replicate where not named; `keep_local(param)`: left as it is."""
     out = []
     for name, param in list(module.named_parameters()):
+        if keep_local(param):
+            continue
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         placement = placements.get(name, Replicate())
@@ -124,6 +130,34 @@ class LocalCompute(ParallelStyle):
         return DTensor.from_local(out, mesh, [self.output]).redistribute(mesh, [self.activation])
 
 
+class SplitTokens(ParallelStyle):
+    """The MoE under expert x tensor parallelism (Megatron's layout with expert_tensor=1: the
+    expert-parallel group is made of tensor-, context- and data-parallel ranks, each with its
+    own tokens). Each tensor-parallel rank routes and computes its contiguous 1/tp of the
+    flattened [b * t] tokens (and their Quantile Balancing mask); the output is gathered back.
+    The router, latent projections, latent norm and shared experts are replicated DTensors whose
+    local gradients are partial sums over the tensor-parallel ranks; the experts stay plain
+    tensors, this rank's home experts, reduced by expert parallelism's own rules. Under sequence
+    parallelism the flattening in the decoder layer gathers the sequence first (a [b, t/tp]
+    shard is not a contiguous run of [b * t] unless b = 1)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute_parameters(module, device_mesh, {}, keep_local=is_expert_parameter)
+        module.forward = functools.partial(self._forward, module, module.forward, device_mesh)
+        return module
+
+    def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x: DTensor,
+                 token_mask: torch.Tensor | None = None) -> DTensor:
+        local = {name: p.to_local(grad_placements=[Partial()])
+                 for name, p in module.named_parameters() if isinstance(p, DTensor)}
+        x = x.redistribute(mesh, [Shard(0)]).to_local(grad_placements=[Shard(0)])
+        if token_mask is not None:  # the same rows as DTensor's Shard(0) (torch.chunk)
+            token_mask = token_mask.chunk(mesh.size())[mesh.get_local_rank()]
+        with _reparametrize_module(module, local):
+            out = forward(x, token_mask)
+        return DTensor.from_local(out, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+
+
 class ReplicateParameters(ParallelStyle):
     """Replicated DTensor parameters for modules that run on DTensor activations (norms, AttnRes
     mixes): their ops work elementwise or along the hidden dimension, so a sequence-sharded
@@ -167,8 +201,10 @@ def _embed_inputs(model: K3Model, mesh: DeviceMesh, act: Placement, batch):
     return DTensor.from_local(flat.view(b, t, d), mesh, [Replicate()]).redistribute(mesh, [act])
 
 
-def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shards `model` in place over the 1-D tensor-parallel `mesh`."""
+def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: bool,
+                          expert_parallel: bool = False) -> None:
+    """Shards `model` in place over the 1-D tensor-parallel `mesh`; `expert_parallel`: the
+    experts are already sharded over expert-parallel ranks (parallel.apply.shard_experts)."""
     act = Shard(1) if sequence_parallel else Replicate()
     head_parallel = dict(param_grad=Partial(), input_grad=Partial(), output=Partial(),
                          activation=act)
@@ -188,6 +224,8 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: b
             plan[f"{prefix}.attn"] = LocalCompute(mla_shards(), **head_parallel)
         if isinstance(layer.mlp, SiTUGLUMLP):
             plan[f"{prefix}.mlp"] = LocalCompute(mlp_shards(), **head_parallel)
+        elif isinstance(layer.mlp, LatentMoE) and expert_parallel:
+            plan[f"{prefix}.mlp"] = SplitTokens()
         elif isinstance(layer.mlp, LatentMoE):
             plan[f"{prefix}.mlp"] = LocalCompute({}, param_grad=Replicate(),
                                                  input_grad=Replicate(), output=Replicate(),

@@ -52,9 +52,12 @@ _EXPERT_ATOMS = ("etp", "ep", "edp", "pp")
 # Flattened dimensions: their atoms outer to inner (a flattened index lists ranks ascending).
 _COMPOSITES = {"dp": ("dp_replicate", "dp_shard"),
                "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-               "dp_shard_cp": ("dp_shard", "cp")}
+               "dp_shard_cp": ("dp_shard", "cp"),
+               # Every rank of a pipeline stage: under expert x tensor parallelism each tensor-
+               # parallel rank routes its own tokens, so Quantile Balancing sums over all.
+               "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp")}
 DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_cp", "dp_shard_cp",
-        "ep", "etp", "edp")
+        "dp_cp_tp", "ep", "etp", "edp")
 
 
 def _fail(path: str, value, valid: str) -> None:
@@ -319,6 +322,7 @@ class Topology:
              "pp": ps.get_pipeline_model_parallel_group(),
              "dp": ps.get_data_parallel_group(),
              "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+             "dp_cp_tp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
              "ep": ps.get_expert_model_parallel_group(),
              "etp": ps.get_expert_tensor_parallel_group(),
              "edp": ps.get_expert_data_parallel_group()}

@@ -110,7 +110,7 @@ def _oracle(t: Topology) -> dict[str, list[list[int]]]:
     shard_cp = t.dp_shard * t.cp
     groups = {
         "tp": dense.get_ranks("tp"), "cp": dense.get_ranks("cp"), "pp": dense.get_ranks("pp"),
-        "dp": dp, "dp_cp": dp_cp,
+        "dp": dp, "dp_cp": dp_cp, "dp_cp_tp": dense.get_ranks("tp-cp-dp"),
         # megatron's partial distributed optimizer: contiguous runs of the dp x cp ranks ...
         "dp_shard_cp": [g[i:i + shard_cp] for g in dp_cp for i in range(0, len(g), shard_cp)],
         # ... and of the dp ranks (shards), the replicas strided across them
@@ -228,7 +228,7 @@ def _gloo_worker(rank: int, init_file: str) -> None:
         for parallel, meshes in LAYOUTS_4:
             t = Topology.from_config(parallel, 4, k3_tiny()).initialize("cpu")
             for dim in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_cp",
-                        "dp_shard_cp", "ep", "etp", "edp"):
+                        "dp_shard_cp", "dp_cp_tp", "ep", "etp", "edp"):
                 ranks = t.ranks(dim)
                 group = t.group(dim)
                 assert dist.get_process_group_ranks(group) == ranks, (parallel, dim)
@@ -272,6 +272,10 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
     (dict(expert=2, moonep_transport="symm_mem"), 2,
      "parallel.moonep.transport='symm_mem' is invalid: must be 'collective'"),
     (dict(pipeline=2), 2, "parallel.pipeline=2 is invalid: must be 1: pipeline parallelism"),
+    (dict(expert=2, data_shard="optimizer"), 4, "parallel.data_shard='optimizer' is invalid: "
+                                                "must be none or full with parallel.expert=2"),
+    (dict(expert=2, data_shard="full", data_replicate=2), 4,
+     "parallel.data_replicate=2 is invalid: must be 1 with parallel.expert=2"),
 ])
 def test_train_config_validation_uses_the_topology(overrides, world, message):
     from train.config import TrainConfig, validate_train_config
@@ -291,3 +295,17 @@ def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():
         validate_train_config(cfg, 2)
     cfg.parallel.sequence_parallel = False  # then the sequence stays whole on every rank
     assert validate_train_config(cfg, 2) is cfg
+    cfg.parallel.expert = 2  # ... unless the MoE splits the tokens over the tensor ranks
+    with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
+        validate_train_config(cfg, 2)
+
+
+@pytest.mark.parametrize("overrides", [dict(expert=2, data_shard="full"),
+                                       dict(expert=2, tensor=2),
+                                       dict(expert=2, tensor=2, data_shard="full")])
+def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides):
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg.stage.micro_batch_size = 1
+    assert validate_train_config(cfg, 4) is cfg

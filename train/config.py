@@ -208,20 +208,24 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
               "cpu needs plain host parameters: parallel.tensor=1, parallel.data_shard none or "
               "optimizer, device cpu (sharded DTensor and GPU parameters are not offloaded yet)")
     topo = Topology.from_config(cfg.parallel, world_size, cfg.model)
-    shards = topo.cp * (topo.tp if topo.sequence_parallel else 1)
+    # Sequence parallelism, and the MoE under expert x tensor parallelism, split the tokens.
+    shards = topo.cp * (topo.tp if topo.sequence_parallel or topo.ep > 1 else 1)
     if cfg.stage.seq_len % shards:
         _fail("stage.seq_len", cfg.stage.seq_len,
               f"must be divisible by {shards}: context={topo.cp} x tensor={topo.tp} (sequence "
-              f"parallel) ranks each hold an equal part of the sequence")
+              f"parallel, or expert parallel) ranks each hold an equal part of the sequence")
     for name, what in _NOT_IMPLEMENTED_YET.items():
         if getattr(cfg.parallel, name) != 1:
             _fail(f"parallel.{name}", getattr(cfg.parallel, name),
                   f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
-    if topo.ep > 1 and (topo.tp > 1 or topo.data_shard != "none"):
-        _fail("parallel.expert", topo.ep,
-              f"must be 1 with parallel.tensor={topo.tp} / parallel.data_shard="
-              f"{topo.data_shard!r}: expert parallelism runs with tensor=1 and data_shard=none "
-              "in k3-train so far")
+    if topo.ep > 1 and topo.data_shard == "optimizer":
+        _fail("parallel.data_shard", topo.data_shard,
+              f"must be none or full with parallel.expert={topo.ep}: ZeRO-1 with expert "
+              "parallelism is not implemented yet")
+    if topo.ep > 1 and topo.dp_replicate > 1:
+        _fail("parallel.data_replicate", topo.dp_replicate,
+              f"must be 1 with parallel.expert={topo.ep}: HSDP with expert parallelism is not "
+              "implemented yet (data_shard=full shards experts over all expert-data ranks)")
     if topo.ep > 1 and cfg.parallel.moonep.transport != "collective":
         _fail("parallel.moonep.transport", cfg.parallel.moonep.transport,
               "must be 'collective': the symm_mem transport is not implemented yet")
