@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from model.k3 import K3Model
 
@@ -47,6 +48,16 @@ def _units(model: K3Model) -> list[nn.Module]:
     return [*model.layers.values(), model]
 
 
+def _shard_beside_strided_rows(param: nn.Parameter) -> Shard | None:
+    """FSDP2's dim for a parameter: dim 1 for a TP strided row shard (the fused gate/up weight),
+    whose rows FSDP2's default dim-0 shard would split a second time: the two strided shards of
+    one dim compute correctly but gather (full_tensor, checkpoints) to a wrong row order."""
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0
+                                          for p in param.placements):
+        return Shard(1)
+    return None
+
+
 def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
                         expert_mesh: DeviceMesh | None = None) -> None:
     """Wraps `model` in place for data parallelism over `mesh` (1-D, or 2-D dp_replicate x
@@ -62,7 +73,8 @@ def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for unit, unit_mesh in units:
         if mode == "full":
-            fully_shard(unit, mesh=unit_mesh, mp_policy=policy)
+            fully_shard(unit, mesh=unit_mesh, mp_policy=policy,
+                        shard_placement_fn=_shard_beside_strided_rows)
         else:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
