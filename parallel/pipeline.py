@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -89,6 +91,13 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
+def rank_stages(layer_costs: Sequence[float], head_cost: float, pp: int, pp_rank: int,
+                virtual_stages: int, schedule: str) -> tuple[list[range], list[int]]:
+    """(every stage's layers, the stages pipeline rank `pp_rank` runs)."""
+    return (split_layers(layer_costs, pp * virtual_stages, head_cost),
+            stage_ids(pp_rank, pp, virtual_stages, schedule))
+
+
 def crossing_blocks(first_layer: int, block_size: int) -> int:
     """AttnRes blocks completed before layer `first_layer` (the embedding is block 0, pushed by
     layer 0): the block tensors a stage starting there receives."""
@@ -97,11 +106,19 @@ def crossing_blocks(first_layer: int, block_size: int) -> int:
 
 class StageModule(nn.Module):
     """One pipeline stage of a K3 model: forward(*inputs, mb) -> boundary tuple, or the summed
-    token loss on the last stage. `model` is this rank's pruned K3Model (shared modules)."""
+    token loss on the last stage. `model` is this rank's pruned K3Model (shared modules).
 
-    def __init__(self, model: K3Model, layers: range, first: bool, last: bool):
+    `activations` (tensor parallelism: the tensor-parallel mesh and the activations' placement
+    between blocks, Replicate or Shard(1) under sequence parallelism): the boundary tensors are
+    the DTensors' local parts, wrapped again on arrival. Gradients cross as local parts too:
+    a partial-sum gradient is completed by `from_local`'s backward, inside the stage's own
+    tensor-parallel group."""
+
+    def __init__(self, model: K3Model, layers: range, first: bool, last: bool,
+                 activations: tuple[DeviceMesh, Placement] | None = None):
         super().__init__()
         self.first, self.last = first, last
+        self.activations = activations
         self.block_size = model.cfg.attnres_block_size
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         self.embed = model.embed if first else None
@@ -115,12 +132,23 @@ class StageModule(nn.Module):
         if self.first:
             state = BlockState(self._model[0].embed_inputs(batch), self.block_size)
         else:
+            inputs = tuple(self._wrap(x) for x in inputs)
             state = BlockState(inputs[0], self.block_size)
             state.blocks = list(inputs[1:])
         self._model[0].run_layers(state, batch, list(self.layers.values()))
         if self.last:
-            return self.head(state.sources(), batch.labels)[0]
-        return (state.partial, *state.blocks)
+            return _local(self.head(state.sources(), batch.labels)[0])
+        return tuple(_local(x) for x in (state.partial, *state.blocks))
+
+    def _wrap(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations is None:
+            return x
+        mesh, placement = self.activations
+        return DTensor.from_local(x, mesh, [placement])
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def prune_to_stages(model: K3Model, splits: Sequence[range], ids: Sequence[int]) -> K3Model:
@@ -145,21 +173,28 @@ class PipelineStep:
     `self.model` for the optimizer, checkpoints and the MoE/MLA bookkeeping.
     `step(micro_batches, global_tokens)` runs forward and backward of one optimizer step and
     returns this rank's share of the step's loss (the last stage's summed token loss over
-    `global_tokens`; zero elsewhere: sum it over the pipeline group, see `step_loss`)."""
+    `global_tokens`; zero elsewhere: sum it over the pipeline group, see `step_loss`);
+    `eval_loss_sum(micro_batches)` runs the forwards only and returns the share of the summed
+    token loss. `activations`: see StageModule (tensor parallelism)."""
 
     def __init__(self, model: K3Model, layer_costs: Sequence[float], head_cost: float,
                  pp_group, schedule: str, virtual_stages: int, n_microbatches: int,
-                 micro_batch: tuple[int, int], device: torch.device):
+                 micro_batch: tuple[int, int], device: torch.device,
+                 activations: tuple[DeviceMesh, Placement] | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}: one of {list(SCHEDULES)}")
         self.pp_group = pp_group
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         num_stages = pp * virtual_stages
-        self.splits = split_layers(layer_costs, num_stages, head_cost)
-        self.ids = stage_ids(pp_rank, pp, virtual_stages, schedule)
+        self.splits, self.ids = rank_stages(layer_costs, head_cost, pp, pp_rank, virtual_stages,
+                                            schedule)
         self.model = prune_to_stages(model, self.splits, self.ids)
-        self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1)
+        self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1,
+                                    activations)
                         for s in self.ids]
+        # Sequence parallelism: a boundary tensor holds this rank's part of the sequence.
+        self._seq_shards = (activations[0].size() if activations is not None
+                            and isinstance(activations[1], Shard) else 1)
         # Static boundary shapes: no metadata-inference forward, which would run the layers on
         # uninitialised tensors and feed them to the QB histograms and the max-logit records.
         self.stages = [PipelineStage(m, s, num_stages, device, *self._boundary(s, micro_batch,
@@ -184,8 +219,8 @@ class PipelineStep:
 
         def crossing(first_layer: int) -> tuple[torch.Tensor, ...]:
             count = 1 + crossing_blocks(first_layer, cfg.attnres_block_size)  # partial, blocks
-            return tuple(torch.empty(b, t, cfg.hidden_size, dtype=dtype, device=device,
-                                     requires_grad=True) for _ in range(count))
+            return tuple(torch.empty(b, t // self._seq_shards, cfg.hidden_size, dtype=dtype,
+                                     device=device, requires_grad=True) for _ in range(count))
 
         inputs = ((torch.zeros(b, t, dtype=torch.long, device=device),) if stage == 0
                   else crossing(layers.start))
@@ -197,6 +232,15 @@ class PipelineStep:
         return loss_sum / self._global_tokens
 
     def step(self, micro_batches: list[K3Batch], global_tokens: torch.Tensor) -> torch.Tensor:
+        return self._run(self.schedule.step, micro_batches, global_tokens)
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches: list[K3Batch]) -> torch.Tensor:
+        """Forward only (the schedule's `eval`): this rank's share of the summed token loss."""
+        return self._run(self.schedule.eval, micro_batches, torch.ones(()))
+
+    def _run(self, run, micro_batches: list[K3Batch], global_tokens: torch.Tensor
+             ) -> torch.Tensor:
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, "
                              f"got {len(micro_batches)}")
@@ -206,11 +250,13 @@ class PipelineStep:
         index = torch.arange(len(micro_batches)).view(-1, 1)
         args = (torch.cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        # The last stage needs a target to chunk (its loss comes from the stage's own labels).
-        self.schedule.step(*args, mb=index, target=index, return_outputs=False,
-                           losses=losses if self.has_last else None)
-        for m in self.modules:
-            m.micro_batches = []
+        try:
+            # The last stage needs a target to chunk (its loss comes from the stage's labels).
+            run(*args, mb=index, target=index, losses=losses if self.has_last else None,
+                return_outputs=False)
+        finally:
+            for m in self.modules:
+                m.micro_batches = []
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), device=global_tokens.device)
