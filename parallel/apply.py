@@ -139,8 +139,8 @@ class ParallelPlan:
                                                 self._group("edp"))
         elif self.pipeline is not None:  # the stage's gradients (local parts under TP)
             with torch.no_grad():
-                grads = [SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor)
-                                         else p.grad) for p in self.model.parameters() if p.grad is not None]
+                grads = [SimpleNamespace(grad=g.to_local() if isinstance(g, DTensor) else g)
+                         for g in (p.grad for p in self.model.parameters()) if g is not None]
             allreduce_gradients(grads, self._group("dp_cp"))
 
     @property

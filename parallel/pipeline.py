@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -37,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from model.attnres import BlockState
 from model.batch import K3Batch
