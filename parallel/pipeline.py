@@ -17,8 +17,10 @@ schedule chunks from a keyword argument and hands to every stage.
 
 Collectives stay outside the schedule: the global token count is summed before it (the last
 stage divides each micro-batch's loss by it), and gradient norms, QB statistics and max logits
-are reduced after it, over the groups of one stage (see `stage_groups`), so ranks that hold
-different layers never wait for each other inside a step.
+are reduced after it, over the groups of one stage (its dp x cp ranks), so ranks that hold
+different layers never wait for each other inside a step. Under tensor parallelism the only
+collectives inside are the stage's own tensor-parallel ones, which its ranks run in the same
+order; the boundary tensors are the activations' local parts.
 """
 
 from __future__ import annotations
@@ -197,10 +199,12 @@ class PipelineStep:
                             and isinstance(activations[1], Shard) else 1)
         # Static boundary shapes: no metadata-inference forward, which would run the layers on
         # uninitialised tensors and feed them to the QB histograms and the max-logit records.
-        self.stages = [PipelineStage(m, s, num_stages, device, *self._boundary(s, micro_batch,
-                                                                             device),
-                                     group=pp_group)
+        boundaries = {s: self._boundary(s, micro_batch, device) for s in self.ids}
+        self.stages = [PipelineStage(m, s, num_stages, device, *boundaries[s], group=pp_group)
                        for m, s in zip(self.modules, self.ids, strict=True)]
+        self._inputs = {s: inputs for s, (inputs, _) in boundaries.items()}
+        self._holder = {s: dist.get_global_rank(pp_group, r) for r in range(pp)
+                        for s in stage_ids(r, pp, virtual_stages, schedule)}
         self.n_microbatches = n_microbatches
         self._global_tokens = torch.ones(())
         # Each micro-batch's loss is already over the global token count: no 1/n scaling.
@@ -232,18 +236,7 @@ class PipelineStep:
         return loss_sum / self._global_tokens
 
     def step(self, micro_batches: list[K3Batch], global_tokens: torch.Tensor) -> torch.Tensor:
-        return self._run(self.schedule.step, micro_batches, global_tokens)
-
-    @torch.no_grad()
-    def eval_loss_sum(self, micro_batches: list[K3Batch]) -> torch.Tensor:
-        """Forward only (the schedule's `eval`): this rank's share of the summed token loss."""
-        return self._run(self.schedule.eval, micro_batches, torch.ones(()))
-
-    def _run(self, run, micro_batches: list[K3Batch], global_tokens: torch.Tensor
-             ) -> torch.Tensor:
-        if len(micro_batches) != self.n_microbatches:
-            raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, "
-                             f"got {len(micro_batches)}")
+        self._check(micro_batches)
         self._global_tokens = global_tokens.reshape(()).clamp_min(1.0)
         for m in self.modules:
             m.micro_batches = micro_batches
@@ -252,14 +245,55 @@ class PipelineStep:
         losses: list[torch.Tensor] = []
         try:
             # The last stage needs a target to chunk (its loss comes from the stage's labels).
-            run(*args, mb=index, target=index, losses=losses if self.has_last else None,
-                return_outputs=False)
+            self.schedule.step(*args, mb=index, target=index, return_outputs=False,
+                               losses=losses if self.has_last else None)
         finally:
             for m in self.modules:
                 m.micro_batches = []
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), device=global_tokens.device)
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches: list[K3Batch]) -> torch.Tensor:
+        """Forward only: this rank's share of the micro-batches' summed token loss (the last
+        stage's; zero elsewhere). Not through the schedule: torch's multi-stage schedules run
+        their backward actions in `eval` too. Every pipeline rank walks the stages in order,
+        one micro-batch at a time; a stage's outputs go to the next stage's rank by a blocking
+        send that its receive, posted at the same point of the walk, completes."""
+        self._check(micro_batches)
+        me, last = dist.get_rank(), len(self.splits) - 1
+        total = torch.zeros((), device=self._inputs[self.ids[0]][0].device)
+        for m in self.modules:
+            m.micro_batches = micro_batches
+        try:
+            for i in range(len(micro_batches)):
+                inputs: tuple[torch.Tensor, ...] = ()
+                for s in range(last + 1):
+                    nxt = self._holder.get(s + 1)
+                    if self._holder[s] == me:
+                        out = self.modules[self.ids.index(s)](*inputs, mb=torch.tensor(i))
+                        if s == last:
+                            total += out.float()
+                        elif nxt == me:
+                            inputs = out
+                        else:
+                            for t in out:
+                                dist.send(t.contiguous(), dst=nxt, group=self.pp_group)
+                    elif nxt == me:
+                        inputs = tuple(torch.empty_like(t, requires_grad=False)
+                                       for t in self._inputs[s + 1])
+                        for t in inputs:
+                            dist.recv(t, src=self._holder[s], group=self.pp_group)
+        finally:
+            for m in self.modules:
+                m.micro_batches = []
+        return total
+
+    def _check(self, micro_batches: list[K3Batch]) -> None:
+        if len(micro_batches) != self.n_microbatches:
+            raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, "
+                             f"got {len(micro_batches)}")
 
 
 def step_loss(local: torch.Tensor, pp_group) -> torch.Tensor:

@@ -68,7 +68,7 @@ def test_pipeline_run_matches_one_process_and_resumes_there(tmp_path, sample_dat
     out = torchrun(run, sample_data_dir, 2, *COMMON, "steps=2", "parallel.pipeline=2")
     assert out.returncode == 0, out.stderr[-3000:]
     _assert_same(one_process, run, [1, 2])
-    _assert_same(one_process, run, [2], key="val_loss")  # through the forward-only schedule
+    _assert_same(one_process, run, [2], key="val_loss")  # the stages' forward-only walk
     # MoE figures of both stages' layers in the one logged row (k3_tiny: MoE layers 1-7).
     assert {f"moe/layer{i}/cv" for i in range(1, 8)} <= set(read_metrics(run)[-1])
     resumed = run_train(run, sample_data_dir, *COMMON, "steps=4", "checkpoint.save_at_end=false")

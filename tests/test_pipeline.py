@@ -3,7 +3,7 @@
 with and without sequence parallelism) that reproduce one process over 3 optimizer steps of the
 training loop's own `train_step` on the layout's `ParallelPlan` (parallel/apply.py): losses,
 gradient norms, gradients, parameters, QB biases (statistics pooled per stage) and QK-Clip (max
-logits reduced per stage), then the validation loss through the schedule's forward-only run.
+logits reduced per stage), then the validation loss through the stages' forward-only walk.
 Collectives run under a 120 s process-group timeout, so a stage waiting on a peer fails instead
 of hanging."""
 
