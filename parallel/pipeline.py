@@ -175,7 +175,7 @@ class PipelineStep:
     `self.model` for the optimizer, checkpoints and the MoE/MLA bookkeeping.
     `step(micro_batches, global_tokens)` runs forward and backward of one optimizer step and
     returns this rank's share of the step's loss (the last stage's summed token loss over
-    `global_tokens`; zero elsewhere: sum it over the pipeline group, see `step_loss`);
+    `global_tokens`; zero elsewhere: sum it over the pipeline group, ParallelPlan.sum_over_stages);
     `eval_loss_sum(micro_batches)` runs the forwards only and returns the share of the summed
     token loss. `activations`: see StageModule (tensor parallelism)."""
 
@@ -294,32 +294,4 @@ class PipelineStep:
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, "
                              f"got {len(micro_batches)}")
-
-
-def step_loss(local: torch.Tensor, pp_group) -> torch.Tensor:
-    """The step's loss on every pipeline rank (only the last stage computed it)."""
-    total = local.detach().clone()
-    dist.all_reduce(total, group=pp_group)
-    return total
-
-
-def pipeline_grad_norm(params: Sequence[nn.Parameter], pp_group) -> torch.Tensor:
-    """The 2-norm of the whole model's gradient: each pipeline rank holds different parameters,
-    so the squared norms add up over the pipeline group."""
-    grads = [p.grad for p in params if p.grad is not None]
-    sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-    dist.all_reduce(sq, group=pp_group)
-    return sq.sqrt()
-
-
-def clip_pipeline_grads_(params: Sequence[nn.Parameter], max_norm: float,
-                         pp_group) -> torch.Tensor:
-    """clip_grad_norm_ over the whole pipelined model; returns the norm before clipping."""
-    params = list(params)
-    norm = pipeline_grad_norm(params, pp_group)
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.dtype))
-    return norm
 
