@@ -10,6 +10,12 @@ loss context, the optimizer's ownership and Muon exchange, the gradient finish a
 post-step broadcast, and the reductions over named groups (loss tokens over dp x cp, Quantile
 Balancing over the ranks that route different tokens to the same experts, QK-Clip's max logit
 over dp x cp with heads apart under tensor parallelism).
+
+Pipeline parallelism: `shard_stages` first keeps this rank's stages of the model (before
+precision and the optimizer see it), then `parallelize` applies tensor parallelism to them and
+hands them to the schedule (`ParallelPlan.pipeline`). A stage's gradients are summed over its
+dp x cp ranks after the schedule (torch's data-parallel wrappers hook the model's own forward,
+which a stage never runs); the gradient norm and the logged figures add the stages up.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -25,11 +32,18 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from model.k3 import K3Model
 from model.mla import GatedMLA
+from train.flops import head_forward_flops_per_token, layer_forward_flops_per_token
 from train.optim.muon import LocalExchange, MatrixExchange
 from train.optim.qk_clip import qk_clip_factors
+from train.step_stats import merge_stage_figures
 
 from .context_parallel import ContextParallel, apply_context_parallel, shard_batch
-from .data_parallel import ZeroOneOwnership, apply_data_parallel, fill_missing_gradients
+from .data_parallel import (
+    ZeroOneOwnership,
+    allreduce_gradients,
+    apply_data_parallel,
+    fill_missing_gradients,
+)
 from .expert_parallel import (
     ExpertShardedState,
     allreduce_expert_parallel_gradients,
@@ -38,6 +52,7 @@ from .expert_parallel import (
     mark_expert_parameters,
 )
 from .muon_exchange import DTensorExchange
+from .pipeline import PipelineStep, prune_to_stages, rank_stages
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
 
 
@@ -58,6 +73,7 @@ class ParallelPlan:
     expert_parallel: bool = False  # experts sharded (shard_experts): own gradient reductions
     # Ranks that route different tokens to the same experts (Quantile Balancing's statistics).
     balancer_group: str = "dp_cp"
+    pipeline: PipelineStep | None = None  # this rank's stages and their schedule
 
     def _group(self, name: str):
         return None if self.topology is None else self.topology.group(name)
@@ -84,6 +100,31 @@ class ParallelPlan:
         """Over the ranks that hold different tokens of the same model replica step: dp x cp."""
         return _all_reduce(t, dist.ReduceOp.SUM, self._group("dp_cp"))
 
+    def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
+        """Over the pipeline ranks (each holds other layers; one process: nothing to add)."""
+        return _all_reduce(t, dist.ReduceOp.SUM, self._group("pp"))
+
+    def stage_figures(self, row: dict) -> dict:
+        """The logged MoE / QK-Clip figures of this rank's layers -> the whole model's (every
+        pipeline rank calls it at the same steps: it gathers over the pipeline group)."""
+        group = self._group("pp")
+        if group is None or dist.get_world_size(group) == 1:
+            return row
+        rows: list[dict] = [{}] * dist.get_world_size(group)
+        dist.all_gather_object(rows, row, group=group)
+        return merge_stage_figures(rows)
+
+    def eval_loss_sums(self, model: K3Model, micro_batches: list) -> torch.Tensor:
+        """Forward only: [summed token loss, loss tokens] (float64) of this rank's micro-batches
+        (of one global batch under pipeline parallelism: the schedule's micro-batches)."""
+        tokens = sum(float(mb.num_loss_tokens) for mb in micro_batches)
+        if self.pipeline is not None:
+            loss = self.sum_over_stages(self.pipeline.eval_loss_sum(micro_batches))
+        else:
+            loss = sum(model(mb).loss_sum.double() for mb in micro_batches)
+        return torch.stack([torch.as_tensor(loss, dtype=torch.float64).reshape(()),
+                            torch.tensor(tokens, dtype=torch.float64)])
+
     def sum_balancer_counts(self, t: torch.Tensor) -> torch.Tensor:
         """Quantile Balancing statistics over the ranks that route different tokens to the same
         experts: dp x cp (tensor-parallel ranks route the same gathered tokens), dp x cp x tp
@@ -101,6 +142,11 @@ class ParallelPlan:
         if self.expert_parallel and not self.data_parallel:
             allreduce_expert_parallel_gradients(self.model, self._group("dp_cp"),
                                                 self._group("edp"))
+        elif self.pipeline is not None:  # the stage's gradients (local parts under TP)
+            with torch.no_grad():
+                grads = [SimpleNamespace(grad=g.to_local() if isinstance(g, DTensor) else g)
+                         for g in (p.grad for p in self.model.parameters()) if g is not None]
+            allreduce_gradients(grads, self._group("dp_cp"))
 
     @property
     def sharded_state(self) -> ExpertShardedState | None:
@@ -115,7 +161,8 @@ class ParallelPlan:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over parameters that live on different meshes (dense
         DTensors on dp x tp, 1-D dp shards, plain tensors): squared norms summed per tensor.
-        Under expert parallelism the norm covers every rank's home experts."""
+        Under expert parallelism the norm covers every rank's home experts; under pipeline
+        parallelism every stage's parameters."""
         if self.expert_parallel:
             return clip_grad_norm_expert_parallel(self.model, max_norm, self._group("ep"))
         squares = []
@@ -124,7 +171,7 @@ class ParallelPlan:
                 continue
             norm = torch.linalg.vector_norm(p.grad)
             squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-        total = torch.stack(squares).sum().sqrt()
+        total = self.sum_over_stages(torch.stack(squares).sum()).sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for p in self.model.parameters():
@@ -174,6 +221,32 @@ def shard_experts(model: K3Model, topology, cfg) -> None:
                           moonep.transport, moonep.alignment)
 
 
+def _stage_costs(cfg) -> tuple[list[float], float]:
+    """Each decoder layer's and the LM head's forward FLOPs per token: what stages balance."""
+    return (layer_forward_flops_per_token(cfg.model, cfg.stage.seq_len),
+            head_forward_flops_per_token(cfg.model))
+
+
+def shard_stages(model: K3Model, topology, cfg) -> None:
+    """Under pipeline parallelism, keeps in `model` only this rank's stages (parameter names
+    unchanged); before precision, the other plans and the optimizer. No-op otherwise."""
+    if topology is None or topology.pp == 1:
+        return
+    prune_to_stages(model, *rank_stages(*_stage_costs(cfg), topology.pp, topology.rank_in("pp"),
+                                        topology.virtual_stages, topology.pipeline_schedule))
+
+
+def _pipeline_step(model: K3Model, topology, cfg, mesh) -> PipelineStep:
+    micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * topology.dp)
+    activations = None
+    if topology.tp > 1:
+        activations = (mesh["tp"], Shard(1) if topology.sequence_parallel else Replicate())
+    device = next(model.parameters()).device
+    return PipelineStep(model, *_stage_costs(cfg), topology.group("pp"),
+                        topology.pipeline_schedule, topology.virtual_stages, micro_batches,
+                        (cfg.stage.micro_batch_size, cfg.stage.seq_len), device, activations)
+
+
 def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
                 ) -> ParallelPlan:
     """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
@@ -181,9 +254,9 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
     (a TrainConfig)."""
     from train.activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 
-    if topology is not None and topology.pp * topology.etp > 1:
-        raise NotImplementedError("pipeline and expert-tensor parallelism plug in here; they "
-                                  "are separate plans not applied to k3-train yet")
+    if topology is not None and topology.etp > 1:
+        raise NotImplementedError("expert-tensor parallelism plugs in here; it is a separate "
+                                  "plan not applied to k3-train yet")
     plan = ParallelPlan(model, topology)
     plan.expert_parallel = topology is not None and topology.ep > 1
     if plan.expert_parallel and topology.data_shard == "optimizer":
@@ -205,6 +278,8 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         apply_activation_checkpointing(model, autocast)
     if cfg.compile:
         compile_sublayers(model)
+    if topology is not None and topology.pp > 1:
+        plan.pipeline = _pipeline_step(model, topology, cfg, mesh)
     # Expert parallelism with data_shard=none reduces its gradients by hand (finish_gradients).
     if (mesh is not None and topology.dp * topology.cp > 1
             and (not plan.expert_parallel or topology.data_shard == "full")):
@@ -212,13 +287,18 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         if mode != "full" and topology.dp_replicate > 1:
             raise NotImplementedError("parallel.data_replicate > 1 is HSDP: it needs "
                                       "parallel.data_shard=full")
-        dp_mesh = (mesh["dp_replicate", shard_dim] if topology.dp_replicate > 1
-                   else mesh[shard_dim])
-        apply_data_parallel(model, dp_mesh, mode,
-                            topology.mesh("edp") if plan.expert_parallel else None)
-        if plan.expert_parallel:
-            mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
-        plan.data_parallel = True
+        if plan.pipeline is None:
+            dp_mesh = (mesh["dp_replicate", shard_dim] if topology.dp_replicate > 1
+                       else mesh[shard_dim])
+            apply_data_parallel(model, dp_mesh, mode,
+                                topology.mesh("edp") if plan.expert_parallel else None)
+            if plan.expert_parallel:
+                mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
+            plan.data_parallel = True
+        elif mode == "full":
+            raise NotImplementedError("parallel.data_shard=full with parallel.pipeline > 1: "
+                                      "FSDP2 is not combined with the pipeline yet (none or "
+                                      "optimizer)")
         if mode == "optimizer":
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             plan.zero = ZeroOneOwnership(params, topology.group("dp_cp"))

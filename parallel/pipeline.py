@@ -17,8 +17,10 @@ schedule chunks from a keyword argument and hands to every stage.
 
 Collectives stay outside the schedule: the global token count is summed before it (the last
 stage divides each micro-batch's loss by it), and gradient norms, QB statistics and max logits
-are reduced after it, over the groups of one stage (see `stage_groups`), so ranks that hold
-different layers never wait for each other inside a step.
+are reduced after it, over the groups of one stage (its dp x cp ranks), so ranks that hold
+different layers never wait for each other inside a step. Under tensor parallelism the only
+collectives inside are the stage's own tensor-parallel ones, which its ranks run in the same
+order; the boundary tensors are the activations' local parts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -35,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from model.attnres import BlockState
 from model.batch import K3Batch
@@ -89,6 +93,13 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
+def rank_stages(layer_costs: Sequence[float], head_cost: float, pp: int, pp_rank: int,
+                virtual_stages: int, schedule: str) -> tuple[list[range], list[int]]:
+    """(every stage's layers, the stages pipeline rank `pp_rank` runs)."""
+    return (split_layers(layer_costs, pp * virtual_stages, head_cost),
+            stage_ids(pp_rank, pp, virtual_stages, schedule))
+
+
 def crossing_blocks(first_layer: int, block_size: int) -> int:
     """AttnRes blocks completed before layer `first_layer` (the embedding is block 0, pushed by
     layer 0): the block tensors a stage starting there receives."""
@@ -97,11 +108,19 @@ def crossing_blocks(first_layer: int, block_size: int) -> int:
 
 class StageModule(nn.Module):
     """One pipeline stage of a K3 model: forward(*inputs, mb) -> boundary tuple, or the summed
-    token loss on the last stage. `model` is this rank's pruned K3Model (shared modules)."""
+    token loss on the last stage. `model` is this rank's pruned K3Model (shared modules).
 
-    def __init__(self, model: K3Model, layers: range, first: bool, last: bool):
+    `activations` (tensor parallelism: the tensor-parallel mesh and the activations' placement
+    between blocks, Replicate or Shard(1) under sequence parallelism): the boundary tensors are
+    the DTensors' local parts, wrapped again on arrival. Gradients cross as local parts too:
+    a partial-sum gradient is completed by `from_local`'s backward, inside the stage's own
+    tensor-parallel group."""
+
+    def __init__(self, model: K3Model, layers: range, first: bool, last: bool,
+                 activations: tuple[DeviceMesh, Placement] | None = None):
         super().__init__()
         self.first, self.last = first, last
+        self.activations = activations
         self.block_size = model.cfg.attnres_block_size
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         self.embed = model.embed if first else None
@@ -115,12 +134,23 @@ class StageModule(nn.Module):
         if self.first:
             state = BlockState(self._model[0].embed_inputs(batch), self.block_size)
         else:
+            inputs = tuple(self._wrap(x) for x in inputs)
             state = BlockState(inputs[0], self.block_size)
             state.blocks = list(inputs[1:])
         self._model[0].run_layers(state, batch, list(self.layers.values()))
         if self.last:
-            return self.head(state.sources(), batch.labels)[0]
-        return (state.partial, *state.blocks)
+            return _local(self.head(state.sources(), batch.labels)[0])
+        return tuple(_local(x) for x in (state.partial, *state.blocks))
+
+    def _wrap(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations is None:
+            return x
+        mesh, placement = self.activations
+        return DTensor.from_local(x, mesh, [placement])
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def prune_to_stages(model: K3Model, splits: Sequence[range], ids: Sequence[int]) -> K3Model:
@@ -145,27 +175,36 @@ class PipelineStep:
     `self.model` for the optimizer, checkpoints and the MoE/MLA bookkeeping.
     `step(micro_batches, global_tokens)` runs forward and backward of one optimizer step and
     returns this rank's share of the step's loss (the last stage's summed token loss over
-    `global_tokens`; zero elsewhere: sum it over the pipeline group, see `step_loss`)."""
+    `global_tokens`; zero elsewhere: sum it over the pipeline group, ParallelPlan.sum_over_stages);
+    `eval_loss_sum(micro_batches)` runs the forwards only and returns the share of the summed
+    token loss. `activations`: see StageModule (tensor parallelism)."""
 
     def __init__(self, model: K3Model, layer_costs: Sequence[float], head_cost: float,
                  pp_group, schedule: str, virtual_stages: int, n_microbatches: int,
-                 micro_batch: tuple[int, int], device: torch.device):
+                 micro_batch: tuple[int, int], device: torch.device,
+                 activations: tuple[DeviceMesh, Placement] | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}: one of {list(SCHEDULES)}")
         self.pp_group = pp_group
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         num_stages = pp * virtual_stages
-        self.splits = split_layers(layer_costs, num_stages, head_cost)
-        self.ids = stage_ids(pp_rank, pp, virtual_stages, schedule)
+        self.splits, self.ids = rank_stages(layer_costs, head_cost, pp, pp_rank, virtual_stages,
+                                            schedule)
         self.model = prune_to_stages(model, self.splits, self.ids)
-        self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1)
+        self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1,
+                                    activations)
                         for s in self.ids]
+        # Sequence parallelism: a boundary tensor holds this rank's part of the sequence.
+        self._seq_shards = (activations[0].size() if activations is not None
+                            and isinstance(activations[1], Shard) else 1)
         # Static boundary shapes: no metadata-inference forward, which would run the layers on
         # uninitialised tensors and feed them to the QB histograms and the max-logit records.
-        self.stages = [PipelineStage(m, s, num_stages, device, *self._boundary(s, micro_batch,
-                                                                             device),
-                                     group=pp_group)
+        boundaries = {s: self._boundary(s, micro_batch, device) for s in self.ids}
+        self.stages = [PipelineStage(m, s, num_stages, device, *boundaries[s], group=pp_group)
                        for m, s in zip(self.modules, self.ids, strict=True)]
+        self._inputs = {s: inputs for s, (inputs, _) in boundaries.items()}
+        self._holder = {s: dist.get_global_rank(pp_group, r) for r in range(pp)
+                        for s in stage_ids(r, pp, virtual_stages, schedule)}
         self.n_microbatches = n_microbatches
         self._global_tokens = torch.ones(())
         # Each micro-batch's loss is already over the global token count: no 1/n scaling.
@@ -184,8 +223,8 @@ class PipelineStep:
 
         def crossing(first_layer: int) -> tuple[torch.Tensor, ...]:
             count = 1 + crossing_blocks(first_layer, cfg.attnres_block_size)  # partial, blocks
-            return tuple(torch.empty(b, t, cfg.hidden_size, dtype=dtype, device=device,
-                                     requires_grad=True) for _ in range(count))
+            return tuple(torch.empty(b, t // self._seq_shards, cfg.hidden_size, dtype=dtype,
+                                     device=device, requires_grad=True) for _ in range(count))
 
         inputs = ((torch.zeros(b, t, dtype=torch.long, device=device),) if stage == 0
                   else crossing(layers.start))
@@ -197,49 +236,62 @@ class PipelineStep:
         return loss_sum / self._global_tokens
 
     def step(self, micro_batches: list[K3Batch], global_tokens: torch.Tensor) -> torch.Tensor:
-        if len(micro_batches) != self.n_microbatches:
-            raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, "
-                             f"got {len(micro_batches)}")
+        self._check(micro_batches)
         self._global_tokens = global_tokens.reshape(()).clamp_min(1.0)
         for m in self.modules:
             m.micro_batches = micro_batches
         index = torch.arange(len(micro_batches)).view(-1, 1)
         args = (torch.cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        # The last stage needs a target to chunk (its loss comes from the stage's own labels).
-        self.schedule.step(*args, mb=index, target=index, return_outputs=False,
-                           losses=losses if self.has_last else None)
-        for m in self.modules:
-            m.micro_batches = []
+        try:
+            # The last stage needs a target to chunk (its loss comes from the stage's labels).
+            self.schedule.step(*args, mb=index, target=index, return_outputs=False,
+                               losses=losses if self.has_last else None)
+        finally:
+            for m in self.modules:
+                m.micro_batches = []
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), device=global_tokens.device)
 
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches: list[K3Batch]) -> torch.Tensor:
+        """Forward only: this rank's share of the micro-batches' summed token loss (the last
+        stage's; zero elsewhere). Not through the schedule: torch's multi-stage schedules run
+        their backward actions in `eval` too. Every pipeline rank walks the stages in order,
+        one micro-batch at a time; a stage's outputs go to the next stage's rank by a blocking
+        send that its receive, posted at the same point of the walk, completes."""
+        self._check(micro_batches)
+        me, last = dist.get_rank(), len(self.splits) - 1
+        total = torch.zeros((), device=self._inputs[self.ids[0]][0].device)
+        for m in self.modules:
+            m.micro_batches = micro_batches
+        try:
+            for i in range(len(micro_batches)):
+                inputs: tuple[torch.Tensor, ...] = ()
+                for s in range(last + 1):
+                    nxt = self._holder.get(s + 1)
+                    if self._holder[s] == me:
+                        out = self.modules[self.ids.index(s)](*inputs, mb=torch.tensor(i))
+                        if s == last:
+                            total += out.float()
+                        elif nxt == me:
+                            inputs = out
+                        else:
+                            for t in out:
+                                dist.send(t.contiguous(), dst=nxt, group=self.pp_group)
+                    elif nxt == me:
+                        inputs = tuple(torch.empty_like(t, requires_grad=False)
+                                       for t in self._inputs[s + 1])
+                        for t in inputs:
+                            dist.recv(t, src=self._holder[s], group=self.pp_group)
+        finally:
+            for m in self.modules:
+                m.micro_batches = []
+        return total
 
-def step_loss(local: torch.Tensor, pp_group) -> torch.Tensor:
-    """The step's loss on every pipeline rank (only the last stage computed it)."""
-    total = local.detach().clone()
-    dist.all_reduce(total, group=pp_group)
-    return total
-
-
-def pipeline_grad_norm(params: Sequence[nn.Parameter], pp_group) -> torch.Tensor:
-    """The 2-norm of the whole model's gradient: each pipeline rank holds different parameters,
-    so the squared norms add up over the pipeline group."""
-    grads = [p.grad for p in params if p.grad is not None]
-    sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-    dist.all_reduce(sq, group=pp_group)
-    return sq.sqrt()
-
-
-def clip_pipeline_grads_(params: Sequence[nn.Parameter], max_norm: float,
-                         pp_group) -> torch.Tensor:
-    """clip_grad_norm_ over the whole pipelined model; returns the norm before clipping."""
-    params = list(params)
-    norm = pipeline_grad_norm(params, pp_group)
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.dtype))
-    return norm
+    def _check(self, micro_batches: list[K3Batch]) -> None:
+        if len(micro_batches) != self.n_microbatches:
+            raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, "
+                             f"got {len(micro_batches)}")
 

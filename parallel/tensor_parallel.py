@@ -204,18 +204,20 @@ def _embed_inputs(model: K3Model, mesh: DeviceMesh, act: Placement, batch):
 def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: bool,
                           expert_parallel: bool = False) -> None:
     """Shards `model` in place over the 1-D tensor-parallel `mesh`; `expert_parallel`: the
-    experts are already sharded over expert-parallel ranks (parallel.apply.shard_experts)."""
+    experts are already sharded over expert-parallel ranks (parallel.apply.shard_experts). A
+    pipeline stage's model may lack the embedding or the LM head
+    (parallel.pipeline.prune_to_stages)."""
     act = Shard(1) if sequence_parallel else Replicate()
     head_parallel = dict(param_grad=Partial(), input_grad=Partial(), output=Partial(),
                          activation=act)
-    plan: dict[str, ParallelStyle] = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
-                                 use_local_output=False),
-        "head.output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
-                                       use_local_output=False),
-        "head.norm": ReplicateParameters(),
-        "head.out_mix": ReplicateParameters(),
-    }
+    plan: dict[str, ParallelStyle] = {}
+    if model.embed is not None:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
+                                        use_local_output=False)
+    if model.head is not None:
+        plan.update({"head.output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
+                                                    use_local_output=False),
+                     "head.norm": ReplicateParameters(), "head.out_mix": ReplicateParameters()})
     for index, layer in model.layers.items():
         prefix = f"layers.{index}"
         if isinstance(layer.attn, KimiDeltaAttention):
@@ -234,8 +236,9 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: b
             if getattr(layer, name) is not None:
                 plan[f"{prefix}.{name}"] = ReplicateParameters()
     parallelize_module(model, mesh, plan)
-    model.head.chunk_tokens = 0  # full (vocab-sharded) logits under loss_parallel
-    if not sequence_parallel:
+    if model.head is not None:
+        model.head.chunk_tokens = 0  # full (vocab-sharded) logits under loss_parallel
+    if not sequence_parallel and model.embed is not None:
         model.embed.register_forward_hook(lambda module, args, out: _AllReduceGrad.apply(out))
     model.embed_inputs = functools.partial(_embed_inputs, model, mesh, act)
     model.register_forward_hook(_local_loss)

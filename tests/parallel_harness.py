@@ -74,14 +74,17 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
     from train.checkpoint import Checkpointer
     from train.loop import build_parallel_model, train_step
 
-    torch.manual_seed(cfg.seed)
-    model, precision, parallel, optimizers = build_parallel_model(cfg, topology,
-                                                                  torch.device("cpu"))
-    set_lr(optimizers, cfg.optim.lr)
     dp = 1 if topology is None else topology.dp
     dp_rank = 0 if topology is None else topology.rank_in("dp")
     per_rank = GLOBAL_ROWS // dp
     per_micro = per_rank // micro_batches
+    # The stage's batch shape is this one (a pipeline schedule is built for it).
+    cfg.stage.seq_len, cfg.stage.micro_batch_size = SEQ, per_micro
+    cfg.stage.global_batch_size = GLOBAL_ROWS
+    torch.manual_seed(cfg.seed)
+    model, precision, parallel, optimizers = build_parallel_model(cfg, topology,
+                                                                  torch.device("cpu"))
+    set_lr(optimizers, cfg.optim.lr)
     record = Record()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start = 0

@@ -1,7 +1,8 @@
 """Checkpoints move between layouts: saved by 4 FSDP2 ranks, resumed by 4 ZeRO-1 ranks, by 2
-data-parallel ranks (another DP size) and by 2 tensor-parallel ranks, whose checkpoint one
-process resumes; every resumed step's loss equals the run that never moved (Muon + AdamW state,
-QK-Clip, Quantile Balancing buffers all carried)."""
+pipeline x 2 ZeRO-1 ranks, by 2 data-parallel ranks (another DP size), by 2 tensor-parallel ranks
+and by 2 pipeline ranks, whose checkpoints one process resumes, and a 2-rank data-parallel
+checkpoint resumed by 2 pipeline ranks; every resumed step's loss equals the run that never
+moved (Muon + AdamW state, QK-Clip, Quantile Balancing buffers all carried)."""
 
 from __future__ import annotations
 
@@ -22,26 +23,37 @@ def _world(rank: int, world: int, plan: list) -> dict:
     for name, parallel, steps, resume, save in plan:
         cfg = layout(tiny_config("muon"), **parallel)
         topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
-        losses[name] = run_steps(cfg, topology, steps, resume=resume, save=save).losses
+        # A pipeline schedule needs a micro-batch per stage: 2 (the same sums, regrouped).
+        micro_batches = topology.pp
+        losses[name] = run_steps(cfg, topology, steps, micro_batches, resume=resume,
+                                 save=save).losses
         topology.destroy()
     return losses
 
 
 def test_resume_at_other_layouts_continues_the_same_losses(tmp_path):
     straight = run_steps(tiny_config("muon"), None, STEPS).losses
-    fsdp, tp = tmp_path / "fsdp4", tmp_path / "tp2"
+    fsdp, tp, dp, pp = (tmp_path / name for name in ("fsdp4", "tp2", "dp2", "pp2"))
     four = spawn(_world, 4, tmp_path / "w4", [
         ("fsdp4", dict(data=4, data_shard="full"), 2, None, fsdp),
-        ("zero4", dict(data=4, data_shard="optimizer"), 3, fsdp, None)])
+        ("zero4", dict(data=4, data_shard="optimizer"), 3, fsdp, None),
+        ("pp2zero2", dict(pipeline=2, data=2, data_shard="optimizer"), 3, fsdp, None)])
     two = spawn(_world, 2, tmp_path / "w2", [
         ("tp2", dict(tensor=2), 3, fsdp, tp),
-        ("dp2", dict(data=2), 3, fsdp, None)])
+        ("dp2", dict(data=2), 3, fsdp, dp),
+        ("pp2", dict(pipeline=2), 3, fsdp, pp),
+        ("pp2 from dp2", dict(pipeline=2), STEPS, dp, None)])
     one = run_steps(tiny_config("muon"), None, STEPS, resume=tp).losses
+    one_from_pp = run_steps(tiny_config("muon"), None, STEPS, resume=pp).losses
     got = {"fsdp4 steps 1-2": (four["fsdp4"], straight[:2]),
            "zero4 step 3 from fsdp4": (four["zero4"], straight[2:3]),
+           "pp2 x zero2 step 3 from fsdp4": (four["pp2zero2"], straight[2:3]),
            "tp2 step 3 from fsdp4": (two["tp2"], straight[2:3]),
            "dp2 step 3 from fsdp4": (two["dp2"], straight[2:3]),
-           "1 process step 4 from tp2": (one, straight[3:4])}
+           "pp2 step 3 from fsdp4": (two["pp2"], straight[2:3]),
+           "pp2 step 4 from dp2": (two["pp2 from dp2"], straight[3:4]),
+           "1 process step 4 from tp2": (one, straight[3:4]),
+           "1 process step 4 from pp2": (one_from_pp, straight[3:4])}
     for what, (losses, expected) in got.items():
         assert len(losses) == len(expected), what
         for a, b in zip(losses, expected):

@@ -1,6 +1,7 @@
-"""k3-train under torchrun end to end: a tensor-parallel run equals one process, and a failing
-rank fails the job (non-zero exit within parallel.timeout_s, the last complete checkpoint valid)
-after which the same command resumes."""
+"""k3-train under torchrun end to end: a tensor-parallel run equals one process, a pipeline run
+(2 stages) equals it too, validation loss included, and its checkpoint continues in one process
+with the same losses; a failing rank fails the job (non-zero exit within parallel.timeout_s, the
+last complete checkpoint valid) after which the same command resumes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import time
 
 import pytest
 
-from tests.train_helpers import FAST, REPO, free_port, losses, run_train, train_cmd, train_env
+from tests.train_helpers import (
+    FAST,
+    REPO,
+    free_port,
+    losses,
+    read_metrics,
+    run_train,
+    train_cmd,
+    train_env,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -22,16 +32,49 @@ def torchrun(run_dir, data_dir, ranks: int, *overrides: str, env_extra=None, tim
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_tensor_parallel_run_matches_one_process(tmp_path, sample_data_dir):
-    common = [*FAST, "steps=4", "checkpoint.every=0", "checkpoint.save_at_end=false",
-              "optim.name=muon"]
-    run_train(tmp_path / "one", sample_data_dir, *common)
-    out = torchrun(tmp_path / "tp2", sample_data_dir, 2, *common, "parallel.tensor=2")
+# A constant learning rate after warm-up: a run of 2 steps takes the first 2 of a 4-step run.
+# Validation every 2 steps. global_batch_size 4 in micro-batches of 2 rows: 2 per step, one per
+# pipeline stage.
+COMMON = [*FAST, "checkpoint.every=0", "optim.name=muon", "optim.schedule=constant",
+          "eval.every=2"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, sample_data_dir):
+    """The reference: 4 steps in one process; its metrics rows by step."""
+    run = tmp_path_factory.mktemp("one")
+    run_train(run, sample_data_dir, *COMMON, "steps=4", "checkpoint.save_at_end=false")
+    return {row["step"]: row for row in read_metrics(run)}
+
+
+def _assert_same(reference: dict, run, steps: list[int], key: str = "loss") -> None:
+    got = {row["step"]: row[key] for row in read_metrics(run) if key in row}
+    assert sorted(got) == steps, (key, sorted(got))
+    for step in steps:
+        a, b = reference[step][key], got[step]
+        assert abs(a - b) <= 1e-5 * abs(a), (key, step, a, b)
+
+
+def test_tensor_parallel_run_matches_one_process(tmp_path, sample_data_dir, one_process):
+    out = torchrun(tmp_path / "tp2", sample_data_dir, 2, *COMMON, "steps=4",
+                   "checkpoint.save_at_end=false", "parallel.tensor=2")
     assert out.returncode == 0, out.stderr[-3000:]
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "tp2")
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for step in a:
-        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+    _assert_same(one_process, tmp_path / "tp2", [1, 2, 3, 4])
+
+
+def test_pipeline_run_matches_one_process_and_resumes_there(tmp_path, sample_data_dir,
+                                                            one_process):
+    run = tmp_path / "pp2"
+    out = torchrun(run, sample_data_dir, 2, *COMMON, "steps=2", "parallel.pipeline=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    _assert_same(one_process, run, [1, 2])
+    _assert_same(one_process, run, [2], key="val_loss")  # the stages' forward-only walk
+    # MoE figures of both stages' layers in the one logged row (k3_tiny: MoE layers 1-7).
+    assert {f"moe/layer{i}/cv" for i in range(1, 8)} <= set(read_metrics(run)[-1])
+    resumed = run_train(run, sample_data_dir, *COMMON, "steps=4", "checkpoint.save_at_end=false")
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    _assert_same(one_process, run, [1, 2, 3, 4])
+    _assert_same(one_process, run, [2, 4], key="val_loss")
 
 
 TIMEOUT_S = 20

@@ -271,11 +271,20 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
                                "parallelism"),
     (dict(expert=2, moonep_transport="symm_mem"), 2,
      "parallel.moonep.transport='symm_mem' is invalid: must be 'collective'"),
-    (dict(pipeline=2), 2, "parallel.pipeline=2 is invalid: must be 1: pipeline parallelism"),
     (dict(expert=2, data_shard="optimizer"), 4, "parallel.data_shard='optimizer' is invalid: "
                                                 "must be none or full with parallel.expert=2"),
     (dict(expert=2, data_shard="full", data_replicate=2), 4,
      "parallel.data_replicate=2 is invalid: must be 1 with parallel.expert=2"),
+    (dict(pipeline=2, context=2), 4, "parallel.context=2 is invalid: must be 1 with "
+                                     "parallel.pipeline=2: context parallelism"),
+    (dict(pipeline=2, expert=2), 4, "parallel.expert=2 is invalid: must be 1 with "
+                                    "parallel.pipeline=2: expert parallelism"),
+    (dict(pipeline=2, data=2, data_shard="full"), 4, "parallel.data_shard='full' is invalid"),
+    # the default stage: global batch 8 in micro-batches of 4 rows
+    (dict(pipeline=2, data=2), 4, "stage.global_batch_size=8 is invalid: must give at least 2 "
+                                  "micro-batches per data-parallel rank"),
+    (dict(pipeline=2, pipeline_schedule="ZBVZeroBubble", virtual_stages=2), 2,
+     "must give at least 4 micro-batches"),
 ])
 def test_train_config_validation_uses_the_topology(overrides, world, message):
     from train.config import TrainConfig, validate_train_config
@@ -284,6 +293,16 @@ def test_train_config_validation_uses_the_topology(overrides, world, message):
     with pytest.raises(ConfigError) as err:
         validate_train_config(cfg, world)
     assert message in str(err.value)
+
+
+def test_train_config_accepts_pipeline_layouts():
+    from train.config import TrainConfig, validate_train_config
+
+    for parallel, world in ((_parallel(pipeline=2), 2), (_parallel(pipeline=2, tensor=2), 4),
+                            (_parallel(pipeline=2, pipeline_schedule="Interleaved1F1B",
+                                       virtual_stages=2), 2)):
+        cfg = TrainConfig(parallel=parallel)
+        assert validate_train_config(cfg, world) is cfg
 
 
 def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():

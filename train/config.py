@@ -163,12 +163,33 @@ class TrainConfig:
 
 # Layouts the Topology validates but the training loop cannot run yet; each entry goes when its
 # parallelism lands (tensor: the loop's collectives are still data-parallel only).
-_NOT_IMPLEMENTED_YET = {"expert_tensor": "expert tensor parallelism",
-                        "pipeline": "pipeline parallelism"}
+_NOT_IMPLEMENTED_YET = {"expert_tensor": "expert tensor parallelism"}
 
 
 def _fail(path: str, value, valid: str) -> None:
     raise ConfigError(f"{path}={value!r} is invalid: {valid}")
+
+
+def _check_pipeline(cfg: TrainConfig, topo: Topology, micro_batches: int) -> None:
+    """What k3-train's pipeline composes with so far, and enough micro-batches to fill it."""
+    refused = {"context": (topo.cp, "context parallelism"),
+               "expert": (topo.ep, "expert parallelism")}
+    for name, (size, what) in refused.items():
+        if size > 1:
+            _fail(f"parallel.{name}", size, f"must be 1 with parallel.pipeline={topo.pp}: {what} "
+                  "is not combined with the pipeline in k3-train yet")
+    if topo.data_shard == "full":
+        _fail("parallel.data_shard", topo.data_shard,
+              f"must be 'none' or 'optimizer' with parallel.pipeline={topo.pp}: FSDP2 is not "
+              "combined with the pipeline yet")
+    # torch's schedules (1F1B, the V schedules) need a micro-batch for every stage.
+    stages = topo.pp * (topo.virtual_stages if topo.pipeline_schedule != "Interleaved1F1B"
+                        else 1)
+    if micro_batches < stages:
+        _fail("stage.global_batch_size", cfg.stage.global_batch_size,
+              f"must give at least {stages} micro-batches per data-parallel rank with "
+              f"parallel.pipeline={topo.pp} and pipeline_schedule={topo.pipeline_schedule} "
+              f"(global_batch_size / (micro_batch_size*data) = {micro_batches})")
 
 
 def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
@@ -235,6 +256,8 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("stage.global_batch_size", cfg.stage.global_batch_size,
               f"must be a multiple of micro_batch_size*data_parallel = "
               f"{cfg.stage.micro_batch_size}*{dp} = {micro}")
+    if topo.pp > 1:
+        _check_pipeline(cfg, topo, cfg.stage.global_batch_size // micro)
     if cfg.stage.seq_len > cfg.model.max_seq_len:
         _fail("stage.seq_len", cfg.stage.seq_len,
               f"must be <= model.max_seq_len={cfg.model.max_seq_len}")

@@ -17,7 +17,7 @@ from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
 from model.k3 import K3Model
 from model.moe import update_balancers
-from parallel.apply import ParallelPlan, parallelize, shard_experts
+from parallel.apply import ParallelPlan, parallelize, shard_experts, shard_stages
 from parallel.topology import Topology
 
 from .checkpoint import Checkpointer
@@ -80,6 +80,10 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
     micro_batches = [parallel.local_batch(mb) for mb in micro_batches]
     local_tokens = sum(mb.num_loss_tokens for mb in micro_batches)
     global_tokens = parallel.sum_loss_tokens(torch.tensor([float(local_tokens)], device=device))
+    if parallel.pipeline is not None:  # the schedule runs every micro-batch on every stage
+        with parallel.loss_context(), precision.autocast():
+            loss = parallel.pipeline.step([mb.to(device) for mb in micro_batches], global_tokens)
+        return parallel.sum_loss_tokens(parallel.sum_over_stages(loss))
     loss_sum = torch.zeros((), device=device)
     for mb in micro_batches:
         with parallel.loss_context():
@@ -133,6 +137,7 @@ def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: to
     """Model, precision, layout and optimizers, in that order (the optimizers see the sharded
     parameters)."""
     model = K3Model(cfg.model).to(device)
+    shard_stages(model, topology, cfg)
     shard_experts(model, topology, cfg)
     precision = PrecisionPlan.build(cfg.precision, device, model, cfg.optim.qk_clip_tau)
     parallel = parallelize(model, topology, cfg, autocast=precision.autocast)
@@ -223,7 +228,7 @@ def train(cfg: TrainConfig) -> int:
                        "mfu": tps * flops_per_token / (peak.flops * env.world_size),
                        "mfu_peak_source": peak.source, "peak_mem_gb": peak_memory_gb(env.device),
                        "skipped": not finite, "nonfinite_in_a_row": nonfinite_in_a_row,
-                       **moe_stats(model), **clip_row}
+                       **parallel.stage_figures({**moe_stats(model), **clip_row})}
                 metrics.log(row)
             if nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
                 raise NonFiniteLossError(

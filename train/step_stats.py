@@ -30,6 +30,27 @@ def moe_stats(model: K3Model) -> dict[str, float]:
     return row
 
 
+def merge_stage_figures(rows: list[dict[str, float]]) -> dict[str, float]:
+    """`moe_stats` and QK-Clip rows of the pipeline stages (each of its own layers) as the whole
+    model's: per-layer figures side by side, extremes over the stages, clipped heads summed and
+    the mean CV over every MoE layer."""
+    out: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key not in out:  # per-layer figures: one stage each
+                out[key] = value
+            elif key == "moe/bias_min":
+                out[key] = min(out[key], value)
+            elif key == "attn/clipped_heads":
+                out[key] += value
+            else:
+                out[key] = max(out[key], value)
+    cvs = [v for k, v in out.items() if k.startswith("moe/layer") and k.endswith("/cv")]
+    if cvs:
+        out["moe/cv_mean"] = sum(cvs) / len(cvs)
+    return out
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak device memory on CUDA; the process's peak resident set size on CPU."""
     if device.type == "cuda":

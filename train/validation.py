@@ -35,17 +35,20 @@ class Validator:
     @torch.no_grad()
     def loss(self, model: torch.nn.Module, env: DistEnv, precision, parallel) -> float:
         """Mean loss over the held-out batches. `parallel` (the layout's ParallelPlan) gives
-        this rank's part of each (its context-parallel fragment), the loss context
-        (vocabulary-parallel cross entropy) and the sums over the ranks that hold different
-        tokens (dp x cp: tensor-parallel ranks see the same ones)."""
+        this rank's part of each (its context-parallel fragment), the forwards (through the
+        pipeline's stages under pipeline parallelism), the loss context (vocabulary-parallel
+        cross entropy) and the sums over the ranks that hold different tokens (dp x cp:
+        tensor-parallel ranks see the same ones)."""
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, tokens
+        per_batch = self.source.grad_accum  # a global batch's micro-batches: one schedule run
         try:
-            for mb in (self.source[s] for s in range(self.micro_batches)):
+            for first in range(0, self.micro_batches, per_batch):
+                batches = [parallel.local_batch(self.source[s]).to(env.device)
+                           for s in range(first, first + per_batch)]
                 with parallel.loss_context(), precision.autocast():
-                    out = model(parallel.local_batch(mb).to(env.device))
-                    total += torch.stack([out.loss_sum.double(), out.num_tokens.double()])
+                    total += parallel.eval_loss_sums(model, batches).to(env.device)
         finally:
             model.train(was_training)
         loss_sum, tokens = parallel.sum_loss_tokens(total).tolist()
