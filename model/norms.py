@@ -7,7 +7,7 @@ from .dtypes import upcast
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back to the input dtype."""
+    """RMSNorm computed in fp32 (float64 for float64 input) and cast back to the input dtype."""
     x32 = upcast(x)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:

@@ -8,7 +8,8 @@ training form: fla's Triton kernel on CUDA when fla-core is installed, else the 
 implementation below, which has static shapes (also for packed documents) and is exact for any
 gate, bounded or not. Layout (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K],
 beta [B, T, H], states [B, H, K, V], or [N, H, K, V] with `cu_seqlens` (then B == 1 and
-cu_seqlens [N + 1] must cover 0..T). Internals are fp32; o has the input dtype, states are fp32.
+cu_seqlens [N + 1] must cover 0..T). Internals and states are fp32 (float64 for float64 inputs); o
+has the input dtype.
 
 Chunk form (derived from the recurrence; C tokens per chunk, S the state entering the chunk,
 Gc the inclusive cumsum of g inside the chunk):
