@@ -3,13 +3,15 @@
 import torch
 from torch import nn
 
+from .dtypes import upcast
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back to the input dtype."""
-    x32 = x.float()
+    """RMSNorm computed in fp32 (float64 for float64 input) and cast back to the input dtype."""
+    x32 = upcast(x)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(x32.dtype)
     return y.to(x.dtype)
 
 

@@ -43,6 +43,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from model.batch import K3Batch, VisionInput, segment_ids
+from model.dtypes import upcast
 from model.k3 import K3Model
 from model.kda import KimiDeltaAttention
 from model.mla import GatedMLA
@@ -146,13 +147,13 @@ def fragment_summary(kda, q, k, v, g, beta, cu_seqlens, rows: int):
 def incoming_states(summaries: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
     """The scan over fragments in order: summaries [F, R, H, K, V + K] ([S_ext | M] of each
     fragment's last document), continues [F, R]. Returns the state entering each fragment's
-    first document, [F, R, H, K, V] fp32: S_in_0 = 0, S_in_f = c_f (M_{f-1} S_in_{f-1} +
+    first document, [F, R, H, K, V] fp32 (or wider): S_in_0 = 0, S_in_f = c_f (M_{f-1} S_in_{f-1} +
     S_ext_{f-1})."""
     K = summaries.shape[-2]
     V = summaries.shape[-1] - K
     state = summaries.new_zeros(*summaries.shape[1:-1], V)
     states = []
-    for summary, carries in zip(summaries.float().unbind(0), continues.unbind(0)):
+    for summary, carries in zip(upcast(summaries).unbind(0), continues.unbind(0)):
         state = torch.where(carries.view(-1, 1, 1, 1), state, 0.0)
         states.append(state)
         s_ext, transition = summary.split([V, K], dim=-1)
@@ -165,7 +166,7 @@ def add_incoming_state(o: torch.Tensor, state_map: torch.Tensor,
     """o [1, R*L, H, V] + S_in^T P per token, with incoming [R, H, K, V] per row."""
     rows = incoming.shape[0]
     P = state_map.unflatten(1, (rows, -1))[0]  # [R, L, H, K]
-    correction = torch.einsum("rlhk,rhkv->rlhv", P.float(), incoming)
+    correction = torch.einsum("rlhk,rhkv->rlhv", upcast(P), incoming)
     return o + correction.reshape(o.shape).to(o.dtype)
 
 

@@ -8,9 +8,10 @@
 - full: FSDP2 `fully_shard` per decoder layer (parameters, gradients, state sharded); HSDP when
   the mesh is 2-D (dp_replicate x dp_shard).
 
-Gradients are reduced in fp32 and summed, not averaged: the loss of every micro-batch is already
-divided by the global number of loss tokens, so the sum over ranks is exactly the gradient of
-the single-process run on the same global batch (divide factor 1).
+Gradients are reduced in fp32 (float64 for a float64 model) and summed, not averaged: the loss
+of every micro-batch is already divided by the global number of loss tokens, so the sum over
+ranks is exactly the gradient of the single-process run on the same global batch (divide factor
+1).
 
 Why ZeRO-1 is ours: torch's ZeroRedundancyOptimizer keeps its own partitioned optimizer whose
 `state_dict` must be consolidated on one rank, so DCP's layout-free optimizer checkpoints cannot
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from model.dtypes import compute_dtype
 from model.k3 import K3Model
 
 MODES = ("none", "optimizer", "full")
@@ -70,7 +72,8 @@ def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
     units = [(unit, mesh) for unit in _units(model)]
     if expert_mesh is not None:
         units = [(moe.experts, expert_mesh) for moe in model.moe_layers()] + units
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    reduce_dtype = compute_dtype(*{p.dtype for p in model.parameters()})
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for unit, unit_mesh in units:
         if mode == "full":
             fully_shard(unit, mesh=unit_mesh, mp_policy=policy,

@@ -27,13 +27,13 @@ GLOBAL_ROWS = 4
 STEPS = 3
 
 
-def tiny_config(optim: str) -> TrainConfig:
+def tiny_config(optim: str, precision: str = "fp32") -> TrainConfig:
     cfg = TrainConfig()
     cfg.optim.name = optim
     cfg.optim.lr = 3e-3
     if optim == "muon":
         cfg.optim.qk_clip_tau = 1e-3  # every head clips: QK-Clip runs on every MLA layer
-    cfg.precision.name = "fp32"
+    cfg.precision.name = precision
     cfg.device = "cpu"
     return cfg
 

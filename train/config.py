@@ -73,7 +73,9 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | mxfp4_qat
+    # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | mxfp4_qat | fp64 (parameters and
+    # compute in float64: the layout-equivalence tests, where fp32 round-off would hide bugs)
+    name: str = "auto"
     qat_scale_mode: str = "floor"  # MX scale rounding: floor (OCP) | rceil (TE)
     # Transformer Engine for the LM's dense linears (CUDA only): "auto" uses it with the recipe
     # the GPU supports (Float8BlockScaling on 9.x, MXFP8BlockScaling on 10.x) where TE is
@@ -261,9 +263,9 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     if cfg.stage.seq_len > cfg.model.max_seq_len:
         _fail("stage.seq_len", cfg.stage.seq_len,
               f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    if cfg.precision.name not in ("auto", "fp32", "bf16", "mxfp4_qat"):
+    if cfg.precision.name not in ("auto", "fp32", "bf16", "mxfp4_qat", "fp64"):
         _fail("precision.name", cfg.precision.name,
-              "must be one of ['auto', 'bf16', 'fp32', 'mxfp4_qat']")
+              "must be one of ['auto', 'bf16', 'fp32', 'fp64', 'mxfp4_qat']")
     if cfg.precision.qat_scale_mode not in ("floor", "rceil"):
         _fail("precision.qat_scale_mode", cfg.precision.qat_scale_mode,
               "must be one of ['floor', 'rceil']")

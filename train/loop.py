@@ -91,7 +91,7 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
                 out = model(mb.to(device))
             loss = out.loss_sum / global_tokens.squeeze().clamp_min(1.0)
             loss.backward()
-        loss_sum += loss.detach()
+        loss_sum = loss_sum + loss.detach()  # in the loss's dtype (float64 for fp64)
     return parallel.sum_loss_tokens(loss_sum)
 
 

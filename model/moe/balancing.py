@@ -139,9 +139,10 @@ class QuantileBalancer(nn.Module):
         first = (cumulative < target).sum(dim=1, keepdim=True).clamp_(max=self.bins - 1)
         in_bin = histogram.gather(1, first)
         before = cumulative.gather(1, first) - in_bin
-        fraction = (target - before).float() / in_bin.clamp(min=1).float()
         low, width = self._histogram_range()
-        return (low + width * (first.float() + fraction)).squeeze(1)
+        dtype = low.dtype  # the bias's: fp32, or float64 for a float64 model
+        fraction = (target - before).to(dtype) / in_bin.clamp(min=1).to(dtype)
+        return (low + width * (first.to(dtype) + fraction)).squeeze(1)
 
     def _exact_estimate(self) -> torch.Tensor:
         values = torch.cat(self._score_minus_cutoff)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from model.batch import segment_ids
+from model.dtypes import upcast
 
 _BACKENDS = ("auto", "varlen", "sdpa", "blockwise", "reference")
 # Blockwise tile: BLOCK_Q query rows against BLOCK_K keys, a [B, H, BLOCK_Q, BLOCK_K] fp32 score
@@ -77,7 +78,7 @@ def segment_attention(
                              f"{q.device}: use backend='blockwise'")
         o = _varlen(q, k, v, cu_seqlens, scale, causal)
     else:
-        qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+        qh, kh, vh = (upcast(x).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
         if backend == "blockwise":
             o, max_logit = _BlockwiseAttention.apply(qh, kh, vh, *_row_segments(segments),
                                                      scale, causal, 0)
@@ -126,7 +127,7 @@ def offset_doc_causal_attention(
     if not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"q_offset={q_offset} is invalid: the queries must lie within the "
                          f"{Tk} keys")
-    qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))
+    qh, kh, vh = (upcast(x).transpose(1, 2) for x in (q, k, v))
     if backend == "reference":
         allowed = (q_segments[:, None, :, None] == k_segments[:, None, None, :]) & torch.ones(
             Tq, Tk, dtype=torch.bool, device=q.device).tril(q_offset)
@@ -253,8 +254,9 @@ def _masked_scores(q_tile, k, q_segments, k_segments, q_start, k_start, k_end, c
                                 - k_segments[:, None, None, k_start:k_end]).abs_())
     first, last = q_offset + q_start, q_offset + q_end
     if causal and k_end > first:  # only the tiles holding the diagonal have keys after queries
-        rows = torch.arange(first, last, device=scores.device, dtype=scores.dtype)
-        cols = torch.arange(k_start, k_end, device=scores.device, dtype=scores.dtype)
+        # fp32 like the segment ids (exact positions; a float64 1e38 * -1e38 is not -inf)
+        rows = torch.arange(first, last, device=scores.device, dtype=torch.float32)
+        cols = torch.arange(k_start, k_end, device=scores.device, dtype=torch.float32)
         after = _forbidden_bias((cols - rows[:, None]).clamp_(min=0))
         bias = after if bias is None else bias.add_(after)
     return scores if bias is None else scores.add_(bias)
@@ -333,7 +335,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 def _blockwise_max_logit(q, k, segments, scale, causal, q_offset):
     """Per-head max of the allowed logits over the same tiles, for the backends that do not
     report it (one extra Q K^T, no dense mask). segments: _row_segments' pair."""
-    q, k = q.float(), k.float()
+    q, k = upcast(q), upcast(k)
     T, Tk = q.shape[-2], k.shape[-2]
     maxima = [
         _masked_scores(q[:, :, q_start:q_end] * scale, k, *segments, q_start, k_start, k_end,

@@ -54,7 +54,8 @@ class MuonParamGroup(TypedDict, total=False):
     head_axis: 0 if heads are row blocks (Q/K/V/gate: [H*hd, in] viewed as [H, hd, in]);
         1 if column blocks (output projections: [out, H*hd] viewed as [H, out, hd]).
     name: used in error messages only.
-    ns_dtype: Newton-Schulz dtype; None picks bf16 on CUDA, fp32 on CPU.
+    ns_dtype: Newton-Schulz dtype; None picks bf16 on CUDA, fp32 on CPU (float64 for float64
+        parameters).
     """
 
     params: list[torch.Tensor]

@@ -14,8 +14,11 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7  # floor of the Frobenius norm, torch's value
 
 
-def default_ns_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where matmuls are fast in it (CUDA), fp32 elsewhere (CPU, where bf16 is slow)."""
+def default_ns_dtype(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """bf16 where matmuls are fast in it (CUDA), fp32 elsewhere (CPU, where bf16 is slow);
+    float64 matrices (precision=fp64) stay float64."""
+    if dtype == torch.float64:
+        return dtype
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -29,7 +32,7 @@ def newton_schulz(
     a, b, c = NS_COEFFICIENTS
     shape = x.shape
     # Contiguous batches give the same bits as separate matrices (strided inputs do not).
-    y = x.to(dtype or default_ns_dtype(x.device)).reshape(-1, *shape[-2:]).contiguous()
+    y = x.to(dtype or default_ns_dtype(x.device, x.dtype)).reshape(-1, *shape[-2:]).contiguous()
     transposed = shape[-2] > shape[-1]
     if transposed:  # iterate on the short side: the Gram matrix is min(m, n) square
         y = y.mT

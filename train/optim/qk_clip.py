@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from model.dtypes import upcast
+
 
 def _head_factors(gamma: torch.Tensor, first_dim: int, first_power: float, rest_dim: int,
                   rest_power: float) -> torch.Tensor:
@@ -59,8 +61,9 @@ def qk_clip_(
 def qk_clip_factors(max_logits: torch.Tensor, tau: float, qk_nope_dim: int, qk_rope_dim: int,
                     v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row factors of QK-Clip for the heads of `max_logits` [H]: ([H*(nope+rope)] for q_b,
-    [H*(nope+v)] for kv_b, number of clipped heads), fp32, no host sync."""
-    logits = max_logits.detach().float()
+    [H*(nope+v)] for kv_b, number of clipped heads), fp32 (float64 for float64 logits), no host
+    sync."""
+    logits = upcast(max_logits.detach())
     exceeds = logits > tau
     # Heads at or below tau get exactly 1.0, so multiplying leaves their weights bit-identical.
     gamma = torch.where(exceeds, tau / logits, torch.ones_like(logits))

@@ -20,11 +20,12 @@ log = logging.getLogger("k3.train")
 
 @dataclass
 class PrecisionPlan:
-    dtype: torch.dtype | None  # autocast dtype, None = fp32
+    dtype: torch.dtype | None  # autocast dtype, None = the parameters' own (fp32, or fp64)
     device_type: str
     qat: bool
     qk_clip: bool
     te: TEPlan | None = None  # Transformer Engine FP8 linears (CUDA with TE installed)
+    fp64: bool = False  # float64 parameters, and float64 compute in the model's fp32 islands
 
     @classmethod
     def build(cls, cfg, device: torch.device, model: K3Model, qk_clip_tau: float = 0.0
@@ -35,7 +36,10 @@ class PrecisionPlan:
         dtype = torch.bfloat16 if name in ("bf16", "mxfp4_qat") and device.type == "cuda" else None
         if name == "bf16" and device.type != "cuda":
             dtype = torch.bfloat16  # explicit request: honour it on CPU too
-        plan = cls(dtype, device.type, qat=name == "mxfp4_qat", qk_clip=qk_clip_tau > 0)
+        plan = cls(dtype, device.type, qat=name == "mxfp4_qat", qk_clip=qk_clip_tau > 0,
+                   fp64=name == "fp64")
+        if plan.fp64:  # before the layout shards the parameters and the optimizer sees them
+            model.to(torch.float64)
         if plan.qat:
             from .qat import apply_mx_qat
 
@@ -48,7 +52,8 @@ class PrecisionPlan:
         return plan
 
     def describe(self) -> str:
-        base = "fp32" if self.dtype is None else f"{self.dtype} autocast"
+        base = f"{self.dtype} autocast" if self.dtype is not None else "fp32"
+        base = "fp64" if self.fp64 else base
         base += " + MXFP4/MXFP8 QAT" if self.qat else ""
         return base + (f" + TE {self.te.recipe_name}" if self.te is not None else "")
 

@@ -1,0 +1,20 @@
+"""The dtype of the model's high-precision islands (norms, gates, attention and KDA internals,
+AttnRes mixes, router, expert combine, loss): fp32 for fp32 and lower-precision tensors, the
+tensor's own dtype when it is wider. A float64 model (the `fp64` precision of the equivalence
+tests) so computes in float64 everywhere, and differently ordered sums of two layouts differ by
+float64 round-off, not by fp32 round-off amplified through training."""
+
+import torch
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The widest of `dtypes` and fp32."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (x itself when it already is)."""
+    return x.to(compute_dtype(x.dtype))
