@@ -9,8 +9,8 @@ import torch.distributed as dist
 from model.moe import GroupedExperts, LocalDispatcher
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.dynamic import DynamicDispatcher
-from parallel.moonep.transport import CollectiveTransport
-from tests.moonep_helpers import run_world
+from parallel.moonep.transport import CollectiveTransport, SymmMemTransport
+from tests.moonep_helpers import host_split_exchange, run_world
 from tests.static_shapes import assert_static, record
 from tests.tolerances import assert_close_rms
 
@@ -52,7 +52,7 @@ def run_moe(dispatcher, experts, x, topk, w, first_token=0):
     w = w.clone().requires_grad_(True)
     d = dispatcher.dispatch(x, topk, w)
     out = dispatcher.combine(experts(d.buffer, d.group_ends), d)
-    flat = torch.arange(out.numel()) + first_token * out.shape[-1]
+    flat = torch.arange(out.numel(), device=out.device) + first_token * out.shape[-1]
     out.backward(torch.cos(flat.view_as(out).float()))
     return out.detach(), x.grad, w.grad, d
 
@@ -69,34 +69,43 @@ def home_experts(world: int, rank: int, dispatcher=None) -> GroupedExperts:
     return mine
 
 
+def transports():
+    """The collective transport, and the symm_mem transport's index arithmetic with its
+    NVSHMEM all_to_all_vdev replaced by a host-split all_to_all over gloo."""
+    group = dist.group.WORLD
+    return {"collective": CollectiveTransport(group),
+            "symm_mem (gloo exchange)": SymmMemTransport(group, host_split_exchange(group))}
+
+
 def _matches_local_dispatcher(rank: int, world: int) -> None:
     x, w = inputs(world)
     per_rank = EXPERTS // world
-    for alignment in (1, 4):
-        for name, topk in routings(world).items():
-            # Single-rank reference: all R*S tokens through the LocalDispatcher.
-            ref_experts = full_experts()
-            ref = run_moe(LocalDispatcher(EXPERTS), ref_experts, x.view(-1, LATENT),
-                          topk.reshape(-1, TOP_K), w.view(-1, TOP_K))
-            dispatcher = MoonEPDispatcher(EXPERTS, CollectiveTransport(dist.group.WORLD),
-                                          alignment)
-            experts = home_experts(world, rank, dispatcher)
-            out, x_grad, w_grad, d = run_moe(dispatcher, experts, x[rank], topk[rank], w[rank],
-                                             rank * TOKENS)
-            what = f"{name}, alignment {alignment}"
-            rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
-            assert_close_rms(ref[0][rows], out, 1e-6, f"output ({what})")
-            assert_close_rms(ref[1][rows], x_grad, 1e-6, f"x grad ({what})")
-            assert_close_rms(ref[2][rows], w_grad, 1e-6, f"weight grad ({what})")
-            home = slice(rank * per_rank, (rank + 1) * per_rank)
-            for p_ref, p in ((ref_experts.w1, experts.w1), (ref_experts.w2, experts.w2)):
-                assert_close_rms(p_ref.grad[home], p.grad, 1e-6, f"expert grad ({what})")
-            # Exactly S*K occupied rows on every rank, in a buffer of fixed size.
-            assert d.buffer.shape == (TOKENS * TOP_K + 2 * per_rank * (alignment - 1), LATENT)
-            occupied = int((d.token_of_slot < world * TOKENS).sum())
-            assert occupied == TOKENS * TOP_K, f"{what}: {occupied} rows"
-            assert int(d.plan.alloc[:, rank].sum()) == TOKENS * TOP_K
-            assert d.group_ends.shape == (2 * per_rank,)
+    cases = [(alignment, transport_name, transport, name, topk)
+             for alignment in (1, 4) for transport_name, transport in transports().items()
+             for name, topk in routings(world).items()]
+    for alignment, transport_name, transport, name, topk in cases:
+        # Single-rank reference: all R*S tokens through the LocalDispatcher.
+        ref_experts = full_experts()
+        ref = run_moe(LocalDispatcher(EXPERTS), ref_experts, x.view(-1, LATENT),
+                      topk.reshape(-1, TOP_K), w.view(-1, TOP_K))
+        dispatcher = MoonEPDispatcher(EXPERTS, transport, alignment)
+        experts = home_experts(world, rank, dispatcher)
+        out, x_grad, w_grad, d = run_moe(dispatcher, experts, x[rank], topk[rank], w[rank],
+                                         rank * TOKENS)
+        what = f"{name}, alignment {alignment}, {transport_name}"
+        rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        assert_close_rms(ref[0][rows], out, 1e-6, f"output ({what})")
+        assert_close_rms(ref[1][rows], x_grad, 1e-6, f"x grad ({what})")
+        assert_close_rms(ref[2][rows], w_grad, 1e-6, f"weight grad ({what})")
+        home = slice(rank * per_rank, (rank + 1) * per_rank)
+        for p_ref, p in ((ref_experts.w1, experts.w1), (ref_experts.w2, experts.w2)):
+            assert_close_rms(p_ref.grad[home], p.grad, 1e-6, f"expert grad ({what})")
+        # Exactly S*K occupied rows on every rank, in a buffer of fixed size.
+        assert d.buffer.shape == (TOKENS * TOP_K + 2 * per_rank * (alignment - 1), LATENT)
+        occupied = int((d.token_of_slot < world * TOKENS).sum())
+        assert occupied == TOKENS * TOP_K, f"{what}: {occupied} rows"
+        assert int(d.plan.alloc[:, rank].sum()) == TOKENS * TOP_K
+        assert d.group_ends.shape == (2 * per_rank,)
 
 
 def _static_shapes(rank: int, world: int) -> None:

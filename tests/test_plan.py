@@ -39,6 +39,10 @@ def test_plan_of_the_full_model_on_a_large_layout():
     assert moonep["forward"]["copy_weights_all_gather"] == 63 * 14 * 3 * 3584 * 3072 * 4
     assert moonep["formula"]["token_all_gather"] == "(R-1)*S*L*a"
     assert traffic["dynamic"]["forward"]["dispatch_all_to_all"] == 8192 * 16 * 63 // 64 * 3584 * 2
+    symm_mem = traffic["moonep_symm_mem"]  # worst cases: K = 16 < R - 1 = 63
+    assert symm_mem["forward"]["token_exchange_max"] == 8192 * 16 * 3584 * 2
+    assert symm_mem["forward"]["copy_weights_exchange_max"] == 14 * 3 * 3584 * 3072 * 4
+    assert symm_mem["backward"]["copy_grad_exchange_max"] == 63 * 14 * 3 * 3584 * 3072 * 4
 
 
 def test_plan_rejects_an_expert_layout_that_does_not_divide():

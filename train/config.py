@@ -222,9 +222,11 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
               f"must be 1 with parallel.tensor={topo.tp} / parallel.data_shard="
               f"{topo.data_shard!r}: expert parallelism runs with tensor=1 and data_shard=none "
               "in k3-train so far")
-    if topo.ep > 1 and cfg.parallel.moonep.transport != "collective":
-        _fail("parallel.moonep.transport", cfg.parallel.moonep.transport,
-              "must be 'collective': the symm_mem transport is not implemented yet")
+    if topo.ep > 1 and cfg.parallel.moonep.transport == "symm_mem":
+        from parallel.moonep.transport import symm_mem_unavailable
+
+        if (reason := symm_mem_unavailable()) is not None:
+            _fail("parallel.moonep.transport", "symm_mem", f"{reason}: use collective")
     dp = topo.dp
     micro = cfg.stage.micro_batch_size * dp
     if cfg.stage.global_batch_size % micro:
