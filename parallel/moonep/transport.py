@@ -151,13 +151,13 @@ class NvshmemExchange:
         self.size = dist.get_world_size(group)
         self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def _buffer(self, key: tuple, numel: int, dtype: torch.dtype,
+    def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None:
             if self.symm_mem.get_backend(device) != "NVSHMEM":
                 self.symm_mem.set_backend("NVSHMEM")
-            buffer = self.symm_mem.empty(numel, dtype=dtype, device=device)
+            buffer = self.symm_mem.empty(shape, dtype=dtype, device=device)
             self.symm_mem.rendezvous(buffer, self.group_name)
             self._buffers[key] = buffer
         return buffer
@@ -166,15 +166,14 @@ class NvshmemExchange:
                  rows_out: int) -> torch.Tensor:
         width = x[0].numel()
         key = (x.shape[0], rows_out, width, x.dtype)
-        source = self._buffer(("in", *key), x.numel(), x.dtype, x.device)
-        target = self._buffer(("out", *key), rows_out * width, x.dtype, x.device)
-        splits = self._buffer(("splits", *key), self.size, torch.long, x.device)
-        offsets = self._buffer(("offsets", *key), 2 * self.size, torch.long, x.device)
+        source = self._buffer(("in", *key), (x.numel(),), x.dtype, x.device)
+        target = self._buffer(("out", *key), (rows_out * width,), x.dtype, x.device)
+        splits = self._buffer(("splits", *key), (self.size,), torch.long, x.device)
+        offsets = self._buffer(("offsets", *key), (2, self.size), torch.long, x.device)
         source.copy_(x.reshape(-1))
         splits.copy_(send_splits * width)  # 1-D buffers: splits in elements
-        torch.ops.symm_mem.all_to_all_vdev(source, target, splits, offsets.view(2, self.size),
-                                           self.group_name)
-        received = offsets.view(2, self.size)[0].sum() // width
+        torch.ops.symm_mem.all_to_all_vdev(source, target, splits, offsets, self.group_name)
+        received = offsets[0].sum() // width
         out = target.view(rows_out, width)
         # A fresh tensor, its tail (rows no source sent) zeroed: the buffers are reused.
         live = torch.arange(rows_out, device=x.device)[:, None] < received
