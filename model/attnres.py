@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dtypes import widen
 from .norms import rms_norm
 
 
@@ -26,9 +27,9 @@ class DepthMix(nn.Module):
         nn.init.ones_(self.norm_weight)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        values = torch.stack([s.float() for s in sources])  # [n, ..., d]
+        values = torch.stack([widen(s) for s in sources])  # [n, ..., d]
         keys = rms_norm(values, self.norm_weight, self.eps)
-        weights = torch.softmax(keys @ self.query.float(), dim=0)  # [n, ...]
+        weights = torch.softmax(keys @ widen(self.query), dim=0)  # [n, ...]
         mixed = (weights.unsqueeze(-1) * values).sum(0)
         return mixed.to(sources[-1].dtype)
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import K3Config
+from .dtypes import widen
 from .norms import rms_norm
 from .ops.kda import kda_chunk
 from .short_conv import ShortConv
@@ -21,10 +22,10 @@ def kda_gate(z: torch.Tensor, a_log: torch.Tensor, kind: str, lower_bound: float
     "lower_bound" (K3): g = lb * sigmoid(exp(A_h) z), so g >= lb and a 16-token tile decays by
     at most exp(16 lb). "kimi_linear": g = -exp(A_h) softplus(z), unbounded below.
     """
-    a = a_log.float().exp().unsqueeze(-1)
+    a = widen(a_log).exp().unsqueeze(-1)
     if kind == "lower_bound":
-        return lower_bound * torch.sigmoid(a * z.float())
-    return -a * F.softplus(z.float())
+        return lower_bound * torch.sigmoid(a * widen(z))
+    return -a * F.softplus(widen(z))
 
 
 class KimiDeltaAttention(nn.Module):
@@ -79,9 +80,9 @@ class KimiDeltaAttention(nn.Module):
         q = self.q_conv(self.q_proj(x), segments).view(heads)
         k = self.k_conv(self.k_proj(x), segments).view(heads)
         v = self.v_conv(self.v_proj(x), segments).view(heads)
-        q = F.normalize(q.float(), dim=-1, eps=1e-6)
-        k = F.normalize(k.float(), dim=-1, eps=1e-6)
-        beta = torch.sigmoid(self.beta_proj(x).float())
+        q = F.normalize(widen(q), dim=-1, eps=1e-6)
+        k = F.normalize(widen(k), dim=-1, eps=1e-6)
+        beta = torch.sigmoid(widen(self.beta_proj(x)))
         z = (self.decay_up(self.decay_down(x)) + self.decay_bias).view(heads)
         g = kda_gate(z, self.a_log, self.gate_kind, self.lower_bound)
         # Only the K3 gate has a bound (fla's safe-gate kernel, the torch path's dense sub-tiles).
@@ -99,6 +100,6 @@ class KimiDeltaAttention(nn.Module):
             o = o.view(heads)
         else:
             o, _ = kda(q, k, v, g, beta)
-        o = rms_norm(o.float(), self.out_norm_weight, self.norm_eps)
-        o = torch.sigmoid(self.gate_proj(x).float()).view(heads) * o
+        o = rms_norm(widen(o), self.out_norm_weight, self.norm_eps)
+        o = torch.sigmoid(widen(self.gate_proj(x))).view(heads) * o
         return self.o_proj(o.reshape(b, t, -1).to(x.dtype))

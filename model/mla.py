@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .config import K3Config
+from .dtypes import widen
 from .norms import RMSNorm
 from .ops.attention import doc_causal_attention
 
@@ -62,6 +63,6 @@ class GatedMLA(nn.Module):
             out, max_logit = out
             self.max_logit = max_logit if self.max_logit is None else torch.maximum(
                 self.max_logit, max_logit)
-        gate = torch.sigmoid(self.gate_proj(x).float()).view(b, t, -1, self.v_dim)
-        o = (gate * out.float()).reshape(b, t, -1)
+        gate = torch.sigmoid(widen(self.gate_proj(x))).view(b, t, -1, self.v_dim)
+        o = (gate * widen(out)).reshape(b, t, -1)
         return self.o_proj(o.to(x.dtype))

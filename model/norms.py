@@ -3,13 +3,15 @@
 import torch
 from torch import nn
 
+from model.dtypes import widen
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back to the input dtype."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    """RMSNorm computed in fp32 (or wider) and cast back to the input dtype."""
+    wide = widen(x)
+    y = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * widen(weight)
     return y.to(x.dtype)
 
 

@@ -4,9 +4,9 @@ per-image attention).
 Layout: q, k [B, T, H, Dqk], v [B, T, H, Dv] (Dv may differ from Dqk). `cu_seqlens` [N + 1]
 marks document boundaries over the flattened B*T tokens (model/batch.py: no document crosses a
 row); a token attends to the tokens of its own document only, and with `causal` to the earlier
-ones. The output is fp32 (SPEC 3 keeps the attention output in fp32). With `return_max_logit`
-the per-head maximum pre-softmax logit over the allowed positions of the batch comes back too
-(detached, a device tensor: no sync), for QK-Clip.
+ones. The output is fp32 (SPEC 3 keeps the attention output in fp32; fp64 for fp64 inputs).
+With `return_max_logit` the per-head maximum pre-softmax logit over the allowed positions of
+the batch comes back too (detached, a device tensor: no sync), for QK-Clip.
 
 Backends ("auto" picks the first that applies):
 - "varlen": flash attention over cu_seqlens (torch.nn.attention.varlen), CUDA, fp16/bf16 inputs.
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from model.batch import segment_ids
+from model.dtypes import widen
 
 _BACKENDS = ("auto", "varlen", "sdpa", "blockwise", "reference")
 # Blockwise tile: BLOCK_Q query rows against BLOCK_K keys, a [B, H, BLOCK_Q, BLOCK_K] fp32 score
@@ -77,7 +78,7 @@ def segment_attention(
                              f"{q.device}: use backend='blockwise'")
         o = _varlen(q, k, v, cu_seqlens, scale, causal)
     else:
-        qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+        qh, kh, vh = (widen(x).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
         if backend == "blockwise":
             o, max_logit = _BlockwiseAttention.apply(qh, kh, vh, *_row_segments(segments),
                                                      scale, causal, 0)
@@ -126,7 +127,7 @@ def offset_doc_causal_attention(
     if not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"q_offset={q_offset} is invalid: the queries must lie within the "
                          f"{Tk} keys")
-    qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))
+    qh, kh, vh = (widen(x).transpose(1, 2) for x in (q, k, v))
     if backend == "reference":
         allowed = (q_segments[:, None, :, None] == k_segments[:, None, None, :]) & torch.ones(
             Tq, Tk, dtype=torch.bool, device=q.device).tril(q_offset)
@@ -333,7 +334,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 def _blockwise_max_logit(q, k, segments, scale, causal, q_offset):
     """Per-head max of the allowed logits over the same tiles, for the backends that do not
     report it (one extra Q K^T, no dense mask). segments: _row_segments' pair."""
-    q, k = q.float(), k.float()
+    q, k = widen(q), widen(k)
     T, Tk = q.shape[-2], k.shape[-2]
     maxima = [
         _masked_scores(q[:, :, q_start:q_end] * scale, k, *segments, q_start, k_start, k_end,

@@ -8,7 +8,8 @@ training form: fla's Triton kernel on CUDA when fla-core is installed, else the 
 implementation below, which has static shapes (also for packed documents) and is exact for any
 gate, bounded or not. Layout (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K],
 beta [B, T, H], states [B, H, K, V], or [N, H, K, V] with `cu_seqlens` (then B == 1 and
-cu_seqlens [N + 1] must cover 0..T). Internals are fp32; o has the input dtype, states are fp32.
+cu_seqlens [N + 1] must cover 0..T). Internals are fp32 (fp64 for fp64 inputs); o has the input
+dtype, states are fp32 (fp64).
 
 Chunk form (derived from the recurrence; C tokens per chunk, S the state entering the chunk,
 Gc the inclusive cumsum of g inside the chunk):
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import segment_ids
+from model.dtypes import widen
 
 SUB_TILE = 16
 SAFE_LOWER_BOUND = -5.0
@@ -159,12 +161,12 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> float:
 
 def _recurrence(q, k, v, g, beta, scale, initial_state):
     """One independent sequence per batch row, fp32, token by token."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (widen(x) for x in (q, k, v, g, beta))
     B, _, H, K = q.shape
     if initial_state is None:
         state = q.new_zeros(B, H, K, v.shape[-1])
     else:
-        state = initial_state.float()
+        state = widen(initial_state)
     outputs = []
     # unbind, not x[:, t]: the backward of T slices would build T full-size zero gradients.
     for q_t, k_t, v_t, g_t, beta_t in zip(*(x.unbind(1) for x in (q, k, v, g, beta))):
@@ -228,8 +230,8 @@ def _to_chunks(x: torch.Tensor, layout: _ChunkLayout, chunk: int) -> torch.Tenso
     tensor of this size costs page faults on CPU."""
     B, T, H, *rest = x.shape
     if layout.token_index is None and T == layout.num_chunks * chunk:
-        return x.float().unflatten(1, (layout.num_chunks, chunk)).movedim(3, 1)
-    x = x.float().transpose(1, 2)
+        return widen(x).unflatten(1, (layout.num_chunks, chunk)).movedim(3, 1)
+    x = widen(x).transpose(1, 2)
     if layout.token_index is None:
         padded = x.new_empty(B, H, layout.num_chunks * chunk, *rest)
         padded[:, :, T:].zero_()
@@ -544,11 +546,11 @@ def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layo
     starts = inits = None
     if layout.chunk_doc is None:
         if initial_state is not None:
-            state = initial_state.float()
+            state = widen(initial_state)
     else:  # a chunk that starts a document loads that document's initial state
         starts = layout.chunk_starts_doc
         if initial_state is not None:
-            inits = initial_state.float().index_select(0, layout.chunk_doc).unsqueeze(1)
+            inits = widen(initial_state).index_select(0, layout.chunk_doc).unsqueeze(1)
     return _StatePass.apply(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts)
 
 
@@ -623,5 +625,5 @@ def _doc_final_states(chunk_end_states, initial_state, layout):
     if initial_state is None:
         before = final.new_zeros(())
     else:
-        before = initial_state.float()
+        before = widen(initial_state)
     return torch.where(layout.doc_nonempty.view(-1, 1, 1, 1), final, before)
