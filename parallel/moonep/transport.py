@@ -106,10 +106,11 @@ class CollectiveTransport:
         per_rank = home.shape[0]
         mine = copied_experts[self.rank]
         everything = self._everything(per_rank, home.device)
-        rows = receive_rows(everything, mine // per_rank, mine % per_rank, mine >= 0,
-                            everything.numel())
+        # Unused slots read expert 0 and are zeroed: no copy of the E gathered experts.
+        rows = receive_rows(everything, mine // per_rank, mine % per_rank, mine >= 0, 0)
         every_expert = self.all_gather(home.to(_copy_dtype(home)))
-        return _with_zero_row(every_expert).index_select(0, rows)
+        used = (mine >= 0).view(-1, *([1] * (home.dim() - 1)))
+        return every_expert.index_select(0, rows) * used
 
 
 class _Exchanged(torch.autograd.Function):
