@@ -10,6 +10,8 @@ its terms are the most any routing makes one rank receive ("_max").
 
 from __future__ import annotations
 
+from parallel.moonep.transport import copy_piece
+
 INT64, FP32 = 8, 4
 
 
@@ -46,23 +48,25 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "backward": "S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
         }
     elif dispatch == "moonep" and transport == "collective":
+        # Each rank relays 1/R of every w1 [2I, L] and w2 [L, I] (transport.copy_piece).
+        relayed = copy_piece(2 * intermediate * latent, r) + copy_piece(latent * intermediate, r)
         forward = {
             "routing_all_gather": routing,
             "token_all_gather": others * s * lat * a,
             "combine_reduce_scatter": others * s * lat * FP32,
-            "copy_weights_all_gather": others * (e // r) * per_expert * FP32,
+            "copy_weights_all_to_all": 2 * others * (e // r) * relayed * FP32,
         }
         backward = {
             "token_grad_reduce_scatter": others * s * lat * a,
             "combine_grad_all_gather": others * s * lat * FP32,
-            "copy_grad_reduce_scatter": others * (e // r) * per_expert * FP32,
+            "copy_grad_all_to_all": 2 * others * (e // r) * relayed * FP32,
         }
         formula = {
             "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
             "token_all_gather": "(R-1)*S*L*a",
             "combine_reduce_scatter": "(R-1)*S*L*4",
-            "copy_weights_all_gather": "(R-1)*(E/R)*3*L*I*4",
-            "backward": "(R-1)*S*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
+            "copy_weights_all_to_all": "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
+            "backward": "(R-1)*S*L*(a + 4) + 2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
         }
     elif dispatch == "dynamic":  # all-to-all; uniform routing, worst case in the formula
         moved = s * k * others // r

@@ -6,8 +6,10 @@ functions of exchange.py, so the two transports differ only in what they move.
 
 - `CollectiveTransport` (portable: gloo, NCCL; the reference and the CPU/CI path): tokens by an
   all-gather of the latent rows and a local selection, results by a local scatter-add and a
-  reduce-scatter, copied weights by an all-gather of the home experts and a local selection
-  (its backward reduce-scatters the copies' fp32 gradients back to their owners).
+  reduce-scatter, copied weights by two equal-split all-to-alls of 1/R of every expert each
+  (piece j of every home expert to rank j, then from each rank j piece j of the experts each
+  rank copies): about 2 (E/R) experts received per rank instead of an all-gather's E, shapes
+  still fixed. Their backward returns the copies' fp32 gradients to the owners the same way.
 - `SymmMemTransport` (CUDA with NVSHMEM, torch symmetric memory): each token once to each rank
   holding one of its entries, results back the same way, each copied expert only to the ranks
   copying it, all with `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host
@@ -23,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from parallel.moonep.exchange import (
     copies_sent,
@@ -64,6 +67,11 @@ class Transport(Protocol):
         owner, summed, added to the home gradient."""
 
 
+def copy_piece(numel: int, ranks: int) -> int:
+    """Elements of one expert weight each rank relays in the collective copy exchange."""
+    return -(-numel // ranks)
+
+
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
@@ -84,6 +92,10 @@ class CollectiveTransport:
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.reduce_scatter_single_autograd(x, "sum", 0, self.group))
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """[R * n, ...] -> [R * n, ...]: block d to rank d, block j from rank j (equal splits)."""
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, None, None, self.group))
+
     def _everything(self, per_rank: int, device: torch.device) -> torch.Tensor:
         """The all-gather's `sent`: every rank's every item reaches every rank."""
         return torch.ones(self.size, per_rank, dtype=torch.long, device=device)
@@ -103,14 +115,22 @@ class CollectiveTransport:
         return self.reduce_scatter(per_token[:num_global])
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
-        per_rank = home.shape[0]
-        mine = copied_experts[self.rank]
+        per_rank, ranks = home.shape[0], self.size
+        flat = home.to(_copy_dtype(home)).reshape(per_rank, -1)
+        numel = flat.shape[1]
+        piece = copy_piece(numel, ranks)
+        # 1: piece j of each of this rank's experts to rank j -> piece `rank` of every expert.
+        pieces = F.pad(flat, (0, piece * ranks - numel)).view(per_rank, ranks, piece)
+        every_piece = self.all_to_all(pieces.transpose(0, 1).reshape(ranks * per_rank, piece))
+        # 2: to each rank d this rank's piece of each expert d copies (unused slots send
+        # expert 0, zeroed below) -> piece j of this rank's copies from each rank j.
         everything = self._everything(per_rank, home.device)
-        # Unused slots read expert 0 and are zeroed: no copy of the E gathered experts.
-        rows = receive_rows(everything, mine // per_rank, mine % per_rank, mine >= 0, 0)
-        every_expert = self.all_gather(home.to(_copy_dtype(home)))
-        used = (mine >= 0).view(-1, *([1] * (home.dim() - 1)))
-        return every_expert.index_select(0, rows) * used
+        rows = receive_rows(everything, copied_experts // per_rank, copied_experts % per_rank,
+                            copied_experts >= 0, 0)
+        got = self.all_to_all(every_piece.index_select(0, rows.reshape(-1)))
+        copies = got.view(ranks, per_rank, piece).transpose(0, 1).reshape(per_rank, -1)
+        used = (copied_experts[self.rank] >= 0)[:, None]
+        return (copies[:, :numel] * used).reshape(home.shape)
 
 
 class _Exchanged(torch.autograd.Function):
