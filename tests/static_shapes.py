@@ -70,6 +70,7 @@ class OpRecorder(TorchDispatchMode):
         self.violations: list[str] = []
         self.peak_bytes = 0
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.collectives: list[tuple[str, int]] = []  # (op, output bytes) of each collective
 
     def _account(self, args, kwargs, out) -> None:
         """After each op: forget freed storages, add the op's new ones (not views of or writes
@@ -90,6 +91,8 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.trace.append((str(func), _shapes(out)))
         self._account(args, kwargs, out)
+        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+            self.collectives.append((func.__name__.split(".")[0], out.nbytes))
         return out
 
 

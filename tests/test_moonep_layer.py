@@ -9,6 +9,7 @@ import torch.distributed as dist
 from model.moe import GroupedExperts, LocalDispatcher
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.dynamic import DynamicDispatcher
+from parallel.moonep.traffic import moe_layer_traffic
 from parallel.moonep.transport import CollectiveTransport, SymmMemTransport
 from tests.moonep_helpers import host_split_exchange, run_world
 from tests.static_shapes import assert_static, record
@@ -122,6 +123,11 @@ def _static_shapes(rank: int, world: int) -> None:
     # one rank), on every rank: within 5% (the identical traces make them equal).
     moonep_peaks = peaks_on_every_rank(recs)
     assert moonep_peaks.max() <= 1.05 * moonep_peaks.min(), f"MoonEP peaks {moonep_peaks}"
+    # The bytes k3-plan prints for the collective transport are what its collectives move.
+    traffic = moe_layer_traffic(TOKENS, TOP_K, EXPERTS, world, LATENT, INTER,
+                                activation_bytes=4)
+    for rec in recs:
+        assert received_bytes(rec, world) == traffic["total"], rec.collectives
     dynamic = DynamicDispatcher(EXPERTS, dist.group.WORLD)
     experts = home_experts(world, rank)
     recs = [record(run_moe, dynamic, experts, x[rank], t, w[rank]) for t in routed]
@@ -142,6 +148,21 @@ def _static_shapes(rank: int, world: int) -> None:
                   topk["one_expert"].reshape(-1, TOP_K), w.view(-1, TOP_K))
     out = run_moe(dynamic, home_experts(world, rank), x[rank], skewed, w[rank], rank * TOKENS)[0]
     assert_close_rms(ref[0][rank * TOKENS:(rank + 1) * TOKENS], out, 1e-6, "dynamic output")
+
+
+def received_bytes(rec, world: int) -> int:
+    """Bytes one rank receives in the recorded collectives, counted as ring collectives (as
+    parallel/moonep/traffic.py does): an all-gather or all-to-all output of R blocks receives
+    R - 1 of them, a reduce-scatter output is one of the R - 1 blocks received."""
+    total = 0
+    for op, nbytes in rec.collectives:
+        if op in ("all_gather_into_tensor", "all_to_all_single"):
+            total += nbytes * (world - 1) // world
+        elif op == "reduce_scatter_tensor":
+            total += nbytes * (world - 1)
+        elif op not in ("wait_tensor", "_wrap_tensor_autograd"):  # no data moved
+            raise AssertionError(f"uncounted collective {op}")
+    return total
 
 
 def peaks_on_every_rank(recs) -> torch.Tensor:

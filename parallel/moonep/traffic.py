@@ -36,6 +36,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "copy_weights_exchange_max": (e // r) * per_expert * FP32,
         }
         backward = {
+            "routing_weight_grad_reduce_scatter": others * s * k * FP32,
             "token_grad_exchange_max": rows * lat * a,
             "combine_grad_exchange_max": rows * lat * FP32,
             "copy_grad_exchange_max": others * (e // r) * per_expert * FP32,
@@ -45,7 +46,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "token_exchange_max": "S*min(K, R-1)*L*a",
             "combine_exchange_max": "S*min(K, R-1)*L*4",
             "copy_weights_exchange_max": "(E/R)*3*L*I*4",
-            "backward": "S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
+            "backward": "(R-1)*S*K*4 + S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
         }
     elif dispatch == "moonep" and transport == "collective":
         # Each rank relays 1/R of every w1 [2I, L] and w2 [L, I] (transport.copy_piece).
@@ -57,6 +58,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "copy_weights_all_to_all": 2 * others * (e // r) * relayed * FP32,
         }
         backward = {
+            "routing_weight_grad_reduce_scatter": others * s * k * FP32,
             "token_grad_reduce_scatter": others * s * lat * a,
             "combine_grad_all_gather": others * s * lat * FP32,
             "copy_grad_all_to_all": 2 * others * (e // r) * relayed * FP32,
@@ -66,7 +68,8 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "token_all_gather": "(R-1)*S*L*a",
             "combine_reduce_scatter": "(R-1)*S*L*4",
             "copy_weights_all_to_all": "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
-            "backward": "(R-1)*S*L*(a + 4) + 2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
+            "backward": "(R-1)*S*K*4 + (R-1)*S*L*(a + 4) "
+                        "+ 2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
         }
     elif dispatch == "dynamic":  # all-to-all; uniform routing, worst case in the formula
         moved = s * k * others // r
