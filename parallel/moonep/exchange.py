@@ -4,10 +4,10 @@ transports share (transport.py), computed on device with shapes fixed by (S, K, 
 An exchange moves items (latent token rows, expert weights) from each source rank to each
 destination rank. `sent` [R, n] (int, 0/1) says which of n items go to (or come from) each
 peer. A buffer holds the sent items block by block, peers in rank order, items in item order:
-`block_rows(sent)` is each item's row there. The collective transport sends everything to
-everyone (its all-gather: `sent` all ones, rows = global ids); the symmetric-memory transport
-sends a token once to each rank holding one of its entries and an expert only to the ranks
-copying it.
+`block_rows(sent)` is each item's row there. The collective transport sends every item to
+every rank (its token all-gather and its relay of every expert's pieces: `sent` all ones, rows =
+global ids); the symmetric-memory transport sends a token once to each rank holding one of its
+entries and an expert only to the ranks copying it.
 """
 
 from __future__ import annotations

@@ -210,33 +210,31 @@ class SymmMemTransport(CollectiveTransport):
         self.exchange = exchange if exchange is not None else NvshmemExchange(group)
 
     def _token_routes(self, entry_dest: torch.Tensor):
-        """(what this rank sends, what it receives, send-buffer rows, receive-buffer rows)."""
+        """(what this rank sends, what it receives, rows of either buffer): a token reaches at
+        most min(K, R) ranks, and a rank receives at most its S*K entries' tokens, at most S
+        from each of the R ranks."""
         num_ranks, num_tokens, top_k = entry_dest.shape
-        sent = tokens_sent(entry_dest, self.rank)
-        received = tokens_received(entry_dest, self.rank)
-        # A token reaches at most min(K, R) ranks; a rank receives at most its S*K entries'
-        # tokens.
-        return (sent, received, num_tokens * min(top_k, num_ranks),
+        return (tokens_sent(entry_dest, self.rank), tokens_received(entry_dest, self.rank),
                 num_tokens * min(top_k, num_ranks))
 
     def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor,
                  entry_dest: torch.Tensor) -> torch.Tensor:
-        sent, received, rows_in, rows_out = self._token_routes(entry_dest)
+        sent, received, rows = self._token_routes(entry_dest)
         local = torch.arange(x.shape[0], device=x.device).expand_as(sent)
-        packed = _with_zero_row(x).index_select(0, pack_index(sent, local, rows_in, x.shape[0]))
-        got = _Exchanged.apply(packed, sent.sum(1), received.sum(1), rows_out, self.exchange)
-        return _with_zero_row(got).index_select(0, token_rows(token_of_slot, received, rows_out))
+        packed = _with_zero_row(x).index_select(0, pack_index(sent, local, rows, x.shape[0]))
+        got = _Exchanged.apply(packed, sent.sum(1), received.sum(1), rows, self.exchange)
+        return _with_zero_row(got).index_select(0, token_rows(token_of_slot, received, rows))
 
     def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
                 entry_dest: torch.Tensor) -> torch.Tensor:
-        sent, received, rows_in, rows_out = self._token_routes(entry_dest)
+        sent, received, capacity = self._token_routes(entry_dest)
         num_tokens = entry_dest.shape[1]
-        per_row = rows.new_zeros(rows_out + 1, rows.shape[-1]).index_add(
-            0, token_rows(token_of_slot, received, rows_out), rows)[:rows_out]
-        back = _Exchanged.apply(per_row, received.sum(1), sent.sum(1), rows_in, self.exchange)
+        per_row = rows.new_zeros(capacity + 1, rows.shape[-1]).index_add(
+            0, token_rows(token_of_slot, received, capacity), rows)[:capacity]
+        back = _Exchanged.apply(per_row, received.sum(1), sent.sum(1), capacity, self.exchange)
         local = torch.arange(num_tokens, device=rows.device).expand_as(sent)
         return rows.new_zeros(num_tokens + 1, rows.shape[-1]).index_add(
-            0, pack_index(sent, local, rows_in, num_tokens), back)[:num_tokens]
+            0, pack_index(sent, local, capacity, num_tokens), back)[:num_tokens]
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
         per_rank = home.shape[0]
