@@ -21,10 +21,14 @@ from model.k3 import K3Model
 from parallel.data_parallel import allreduce_gradients
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.dynamic import DynamicDispatcher
-from parallel.moonep.transport import CollectiveTransport
+from parallel.moonep.transport import (
+    CollectiveTransport,
+    SymmMemTransport,
+    symm_mem_unavailable,
+)
 
 DISPATCHES = ("moonep", "dynamic")
-TRANSPORTS = ("collective",)
+TRANSPORTS = {"collective": CollectiveTransport, "symm_mem": SymmMemTransport}
 
 
 def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch: str = "moonep",
@@ -35,7 +39,9 @@ def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch:
         raise ValueError(f"parallel.expert_dispatch={dispatch!r} is invalid: one of {DISPATCHES}")
     if transport not in TRANSPORTS:
         raise ValueError(f"parallel.moonep.transport={transport!r} is invalid: one of "
-                         f"{TRANSPORTS} (the CUDA symmetric-memory transport is not built yet)")
+                         f"{tuple(TRANSPORTS)}")
+    if transport == "symm_mem" and (reason := symm_mem_unavailable()) is not None:
+        raise ValueError(f"parallel.moonep.transport='symm_mem' {reason}: use collective")
     ranks, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for moe in model.moe_layers():
         experts = moe.experts
@@ -49,7 +55,8 @@ def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch:
         experts.w2 = nn.Parameter(experts.w2.detach()[home].clone())
         experts.num_experts = per_rank
         if dispatch == "moonep":
-            dispatcher = MoonEPDispatcher(num_experts, CollectiveTransport(ep_group), alignment)
+            dispatcher = MoonEPDispatcher(num_experts, TRANSPORTS[transport](ep_group),
+                                          alignment)
             experts.group_weights = dispatcher.group_weights
         else:
             dispatcher = DynamicDispatcher(num_experts, ep_group)

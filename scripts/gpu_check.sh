@@ -10,7 +10,8 @@
 # Sections: a) environment  b) CUDA semantics of model pieces (bf16 forward/backward vs CPU fp32,
 # KDA chunk on CUDA vs the CPU recurrence, MoE without host syncs and under CUDA-graph capture)
 # c) fla's chunk_kda vs the torch chunk form  d) Transformer Engine tests, a few mxfp4_qat
-# training steps through the CLI and an export of that run  e) forward+backward throughput.
+# training steps through the CLI and an export of that run  e) forward+backward throughput
+# f) the MoonEP symm_mem transport (NVSHMEM all_to_all_vdev) against the collective one.
 # Nothing is installed; a section whose package is missing prints SKIP. Output is also written to
 # $OUT/gpu_check.log when OUT is set (else a temporary directory).
 set -u
@@ -314,6 +315,11 @@ finish()
 PY
 }
 
+section_moonep_symm_mem() {
+  # One NCCL rank per GPU (up to 4); the test skips itself without NVSHMEM (its reason is printed).
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_moonep_symm_mem.py -rs
+}
+
 section_te_tests() {
   "$PY" -m pytest -q -p no:cacheprovider tests/test_te_backend.py -rs
 }
@@ -402,7 +408,7 @@ PY
 }
 
 export -f section_env section_semantics section_fla section_te_tests section_train_and_export \
-  section_throughput
+  section_throughput section_moonep_symm_mem
 
 [ "$MODE" = dry ] && echo "gpu_check sections (overall budget ${BUDGET_S}s):"
 # The TE test file also has CPU tests, and its GPU tests skip themselves without TE.
@@ -412,6 +418,9 @@ run_section c "fla chunk_kda vs torch chunk form" 60 "have_module fla.ops.kda" s
 run_section d1 "Transformer Engine backend tests" 45 "have_cuda" section_te_tests
 run_section d2 "mxfp4_qat training (5 steps, CLI) + export" 110 "have_cuda" \
   section_train_and_export
+# f before e: a correctness check is worth more than the throughput numbers if time runs out.
+run_section f "MoonEP symm_mem transport vs collective (NCCL)" 90 "have_cuda" \
+  section_moonep_symm_mem
 run_section e "throughput forward+backward" 120 "have_cuda" section_throughput
 [ "$MODE" = dry ] && exit 0
 

@@ -4,11 +4,16 @@ DESIGN.md section 2: run the layer forward and backward under a TorchDispatchMod
 syncs with the host or has a data-dependent output size appears; (b) the recorded op sequence and
 output shapes are identical for two inputs that differ only in their data (balanced vs skewed
 routing, two document layouts with the same number of documents).
+
+The recorder also keeps the peak of the bytes held by the storages the region's ops create and
+that are still referenced (activations, autograd's saved tensors, gradients, communication
+buffers): deterministic on any device, so two routings' peak memory can be compared exactly.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -44,13 +49,38 @@ def _unbounded_repeat_interleave(func, kwargs) -> bool:
     return func.__name__.startswith("repeat_interleave") and kwargs.get("output_size") is None
 
 
+def _storages(tree) -> dict[int, tuple[StorageWeakRef, int]]:
+    """{storage id: (weak reference, bytes)} of the tensors in a pytree."""
+    found = {}
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            ref = StorageWeakRef(storage)
+            found[ref.cdata] = (ref, storage.nbytes())
+    return found
+
+
 class OpRecorder(TorchDispatchMode):
-    """Records (op name, output shapes) for every aten op executed inside the context."""
+    """Records (op name, output shapes) for every aten op executed inside the context, and the
+    peak bytes of live storages created inside it (`peak_bytes`)."""
 
     def __init__(self):
         super().__init__()
         self.trace: list[tuple[str, tuple]] = []
         self.violations: list[str] = []
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.collectives: list[tuple[str, int]] = []  # (op, output bytes) of each collective
+
+    def _account(self, args, kwargs, out) -> None:
+        """After each op: forget freed storages, add the op's new ones (not views of or writes
+        into its inputs, which were counted where they were made or predate the region)."""
+        self._live = {key: v for key, v in self._live.items() if not v[0].expired()}
+        inputs = _storages((args, kwargs))
+        for key, value in _storages(out).items():
+            if key not in inputs:
+                self._live.setdefault(key, value)
+        self.peak_bytes = max(self.peak_bytes, sum(n for _, n in self._live.values()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,6 +90,9 @@ class OpRecorder(TorchDispatchMode):
             self.violations.append(str(func))
         out = func(*args, **kwargs)
         self.trace.append((str(func), _shapes(out)))
+        self._account(args, kwargs, out)
+        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+            self.collectives.append((func.__name__.split(".")[0], out.nbytes))
         return out
 
 

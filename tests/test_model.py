@@ -243,3 +243,26 @@ def test_head_sharded_attention_runs_unchanged(kind):
     parts = [_head_shard(module, {0: rows, 1: ["o_proj.weight"]}, heads, i)(x, cu, segments)
              for i in range(heads)]
     assert_close_rms(full, sum(parts), 1e-5, f"{kind} head shards")
+
+
+def test_float64_model_gradients_do_not_depend_on_the_batch_split():
+    """A float64 model computes in float64 throughout (model/dtypes.py): the gradient of a batch
+    equals the sum of its halves' gradients to round-off (1e-12), as data parallelism needs
+    when parallel layouts are compared exactly. A cast to fp32 anywhere shows up here (seen:
+    5.7e-7 on KDA's a_log and 5e-7 on the AttnRes queries)."""
+    torch.manual_seed(0)
+    rows = torch.randint(1, 2048, (4, 33), generator=torch.Generator().manual_seed(7))
+
+    def grads(parts):
+        torch.manual_seed(0)
+        model = K3Model(k3_tiny()).double()
+        for part in parts:
+            cu = torch.arange(part.shape[0] + 1) * 32
+            batch = K3Batch(part[:, :-1].contiguous(), part[:, 1:].contiguous(), cu)
+            model(batch).loss_sum.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, halves = grads([rows]), grads([rows[:2], rows[2:]])
+    assert whole.keys() == halves.keys()
+    for name, grad in whole.items():
+        assert_close_rms(grad, halves[name], 1e-12, name)

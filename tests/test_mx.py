@@ -380,3 +380,55 @@ def test_static_shapes_no_host_sync(fmt):
 def test_float64_log2_reference_is_exact_at_the_boundary():
     """Guards the oracle used above: float64 log2 separates 2^k * (1 + 2^-23) from 2^k."""
     assert math.ceil(math.log2(2.0**10 * (1 + 2**-23))) == 11
+
+
+def _wide_range_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """Magnitudes from fp32 subnormals to overflow, with NaN, Inf and all-zero blocks."""
+    gen = torch.Generator().manual_seed(11)
+    scale = torch.exp2(torch.randint(-150, 140, (64, 1), generator=gen).float())
+    x = torch.randn(64, 256, generator=gen) * scale
+    x[3, 5], x[7, 40], x[9, :32] = NAN, INF, 0.0
+    return x.to(dtype)
+
+
+def test_fp32_and_bf16_results_are_bit_unchanged_by_the_fp64_path():
+    """Digest of every fp32 and bf16 fake-quantised value, code and scale byte for wide-range
+    inputs, as computed by the fp32-only implementation before the fp64 path was added."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        x = _wide_range_inputs(dtype)
+        for fmt in FMTS:
+            for mode in MODES:
+                digest.update(fake_quantize_mx(x, fmt, scale_mode=mode).view(bits).numpy())
+                q = quantize_mx(x, fmt, scale_mode=mode)
+                digest.update(q.codes.numpy())
+                digest.update(q.scales.numpy())
+    assert digest.hexdigest() == (
+        "923a700ed611dfabe7eeee3d9d9c7cc4342d40bbd48a55eb9343a972f6c4f3d8")
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_fp64_inputs_quantise_in_fp64(fmt, mode):
+    """fp64 is computed in fp64: on fp32-representable inputs it agrees bit for bit with fp32,
+    and a value just past an element midpoint rounds up, where rounding to fp32 first would land
+    on the midpoint and round to even (down)."""
+    x32 = _wide_range_inputs(torch.float32)
+    wide = fake_quantize_mx(x32.double(), fmt, scale_mode=mode)
+    assert wide.dtype == torch.float64
+    assert torch.equal(wide.isnan(), fake_quantize_mx(x32, fmt, scale_mode=mode).isnan())
+    finite = ~wide.isnan()
+    assert torch.equal(wide[finite], fake_quantize_mx(x32, fmt, scale_mode=mode).double()[finite])
+    q32, q64 = quantize_mx(x32, fmt, scale_mode=mode), quantize_mx(x32.double(), fmt,
+                                                                    scale_mode=mode)
+    assert torch.equal(q32.codes, q64.codes) and torch.equal(q32.scales, q64.scales)
+    # A block maximum of max_value gives the scale 1 in both modes; 2.5 (E2M1, between 2 and
+    # 3) and 8.5 (E4M3, between 8 and 9) are midpoints whose tie goes down to the even code.
+    spec = element_format(fmt)
+    tie, up = (2.5, 3.0) if fmt == "e2m1" else (8.5, 9.0)
+    block = torch.tensor(_block(spec.max_value, tie + 2**-40), dtype=torch.float64)
+    assert fake_quantize_mx(block, fmt, scale_mode=mode)[1] == up
+    assert quantize_mx(block, fmt, scale_mode=mode).dequantize(torch.float64)[1] == up
+    assert fake_quantize_mx(block.float(), fmt, scale_mode=mode)[1] == 2 * tie - up

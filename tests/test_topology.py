@@ -270,7 +270,7 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
     (dict(expert_tensor=2), 2, "parallel.expert_tensor=2 is invalid: must be 1: expert tensor "
                                "parallelism"),
     (dict(expert=2, moonep_transport="symm_mem"), 2,
-     "parallel.moonep.transport='symm_mem' is invalid: must be 'collective'"),
+     "parallel.moonep.transport='symm_mem' is invalid: needs CUDA (torch symmetric memory)"),
     (dict(expert=2, data_shard="optimizer"), 4, "parallel.data_shard='optimizer' is invalid: "
                                                 "must be none or full with parallel.expert=2"),
     (dict(expert=2, data_shard="full", data_replicate=2), 4,

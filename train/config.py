@@ -249,9 +249,11 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
         _fail("parallel.data_replicate", topo.dp_replicate,
               f"must be 1 with parallel.expert={topo.ep}: HSDP with expert parallelism is not "
               "implemented yet (data_shard=full shards experts over all expert-data ranks)")
-    if topo.ep > 1 and cfg.parallel.moonep.transport != "collective":
-        _fail("parallel.moonep.transport", cfg.parallel.moonep.transport,
-              "must be 'collective': the symm_mem transport is not implemented yet")
+    if topo.ep > 1 and cfg.parallel.moonep.transport == "symm_mem":
+        from parallel.moonep.transport import symm_mem_unavailable
+
+        if (reason := symm_mem_unavailable()) is not None:
+            _fail("parallel.moonep.transport", "symm_mem", f"{reason}: use collective")
     dp = topo.dp
     micro = cfg.stage.micro_batch_size * dp
     if cfg.stage.global_batch_size % micro:

@@ -180,9 +180,12 @@ def expert_traffic(cfg: K3Config, layout: Topology, tokens_per_micro_batch: int)
     moe = cfg.moe
     tokens = tokens_per_micro_batch // layout.cp
     out = {"tokens_per_rank": tokens, "ranks": layout.ep}
-    for name, dispatch in (("moonep_collective", "moonep"), ("dynamic", "dynamic")):
+    for name, dispatch, transport in (("moonep_collective", "moonep", "collective"),
+                                      ("moonep_symm_mem", "moonep", "symm_mem"),
+                                      ("dynamic", "dynamic", "collective")):
         out[name] = moe_layer_traffic(tokens, moe.top_k, moe.num_experts, layout.ep,
-                                      moe.latent_dim, moe.expert_intermediate, dispatch)
+                                      moe.latent_dim, moe.expert_intermediate, dispatch,
+                                      transport=transport)
     return out
 
 
@@ -208,7 +211,8 @@ def format_plan(p: dict) -> str:
                                           for k, v in m.items()),
         f"  expert traffic    per MoE layer and micro-batch, received per rank "
         f"(S={t['tokens_per_rank']}, R={t['ranks']}): moonep/collective "
-        f"{t['moonep_collective']['total'] / 2**20:.1f} MiB, dynamic (balanced routing) "
+        f"{t['moonep_collective']['total'] / 2**20:.1f} MiB, moonep/symm_mem at most "
+        f"{t['moonep_symm_mem']['total'] / 2**20:.1f} MiB, dynamic (balanced routing) "
         f"{t['dynamic']['total'] / 2**20:.1f} MiB; formulas with --json",
     ]
     for row in p.get("long_context", []):

@@ -24,6 +24,7 @@ from parallel.moonep.transport import Transport
 class MoonEPDispatched(Dispatched):
     token_of_slot: torch.Tensor  # [N] int64 global token r * S + i of each row (R * S: empty)
     slot_weight: torch.Tensor  # [N] routing weight of each row's entry (0: empty)
+    entry_dest: torch.Tensor  # [R, S, K] int64 destination rank of every rank's entries
     plan: MoonEPPlan
 
 
@@ -36,7 +37,8 @@ class MoonEPDispatcher:
         self.transport = transport
         self.alignment = alignment
         self.experts_per_rank = num_experts // transport.size
-        # This micro-batch's copy slots: set by dispatch, read by group_weights.
+        # This micro-batch's copy slots of every rank [R, G]: set by dispatch, read by
+        # group_weights.
         self._copied_experts: torch.Tensor | None = None
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -65,18 +67,18 @@ class MoonEPDispatcher:
         token_of_slot = entry_of_slot // top_k  # the empty marker maps to R * S as well
         weights = torch.cat([self.transport.all_gather(topk_weight).view(-1),
                              topk_weight.new_zeros(1)])
-        self._copied_experts = plan.copied_experts[rank]
+        self._copied_experts = plan.copied_experts
+        entry_dest = dest.view(ranks, num_tokens, top_k)
         return MoonEPDispatched(
-            buffer=self.transport.dispatch(x, token_of_slot),
+            buffer=self.transport.dispatch(x, token_of_slot, entry_dest),
             group_ends=layout.group_ends[rank].to(torch.int32),
             slot_of_entry=slot[rank], topk_weight=topk_weight, token_of_slot=token_of_slot,
-            slot_weight=weights.index_select(0, entry_of_slot), plan=plan)
+            slot_weight=weights.index_select(0, entry_of_slot), entry_dest=entry_dest, plan=plan)
 
     def combine(self, expert_out: torch.Tensor, dispatched: MoonEPDispatched) -> torch.Tensor:
         weight = dispatched.slot_weight
         rows = expert_out.to(combine_dtype(expert_out.dtype, weight.dtype)) * weight[:, None]
-        num_tokens = dispatched.topk_weight.shape[0]
-        out = self.transport.combine(rows, dispatched.token_of_slot, num_tokens)
+        out = self.transport.combine(rows, dispatched.token_of_slot, dispatched.entry_dest)
         return out.to(expert_out.dtype)
 
     def group_weights(self, w1: torch.Tensor,

@@ -4,39 +4,72 @@ dispatch and transport: the formulas `k3-plan` prints and the benchmark reports.
 S tokens per rank, K experts per token, E experts on R ranks, latent width L, expert width I,
 a = bytes per activation element (2 for bf16), one expert's weights P = 3 * L * I elements.
 Collectives are counted as ring collectives (an all-gather or reduce-scatter of R blocks of n
-bytes receives (R - 1) * n per rank).
+bytes receives (R - 1) * n per rank). The symm_mem transport moves what the routing needs, so
+its terms are the most any routing makes one rank receive ("_max").
 """
 
 from __future__ import annotations
+
+from parallel.moonep.transport import copy_piece
 
 INT64, FP32 = 8, 4
 
 
 def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent: int,
                       intermediate: int, dispatch: str = "moonep",
-                      activation_bytes: int = 2) -> dict[str, dict]:
+                      activation_bytes: int = 2, transport: str = "collective") -> dict[str, dict]:
     """{"forward": {term: bytes}, "backward": {term: bytes}, "formula": {term: text}}."""
     s, k, e, r, lat, a = tokens, top_k, experts, ranks, latent, activation_bytes
     per_expert = 3 * latent * intermediate
     others = r - 1
-    if dispatch == "moonep":  # collective transport
+    routing = others * (e + s * k) * INT64 + others * s * k * FP32
+    if dispatch == "moonep" and transport == "symm_mem":
+        # A token travels once to each other rank holding one of its entries, and its result
+        # back: at most S*min(K, R-1) rows either way; a rank's copies come from their home, at
+        # most E/R; a home gets back the gradients of every copy of its experts, at most
+        # (R-1)*E/R.
+        rows = s * min(k, others)
         forward = {
-            "routing_all_gather": others * (e + s * k) * INT64 + others * s * k * FP32,
-            "token_all_gather": others * s * lat * a,
-            "combine_reduce_scatter": others * s * lat * FP32,
-            "copy_weights_all_gather": others * (e // r) * per_expert * FP32,
+            "routing_all_gather": routing,
+            "token_exchange_max": rows * lat * a,
+            "combine_exchange_max": rows * lat * FP32,
+            "copy_weights_exchange_max": (e // r) * per_expert * FP32,
         }
         backward = {
+            "routing_weight_grad_reduce_scatter": others * s * k * FP32,
+            "token_grad_exchange_max": rows * lat * a,
+            "combine_grad_exchange_max": rows * lat * FP32,
+            "copy_grad_exchange_max": others * (e // r) * per_expert * FP32,
+        }
+        formula = {
+            "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
+            "token_exchange_max": "S*min(K, R-1)*L*a",
+            "combine_exchange_max": "S*min(K, R-1)*L*4",
+            "copy_weights_exchange_max": "(E/R)*3*L*I*4",
+            "backward": "(R-1)*S*K*4 + S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
+        }
+    elif dispatch == "moonep" and transport == "collective":
+        # Each rank relays 1/R of every w1 [2I, L] and w2 [L, I] (transport.copy_piece).
+        relayed = copy_piece(2 * intermediate * latent, r) + copy_piece(latent * intermediate, r)
+        forward = {
+            "routing_all_gather": routing,
+            "token_all_gather": others * s * lat * a,
+            "combine_reduce_scatter": others * s * lat * FP32,
+            "copy_weights_all_to_all": 2 * others * (e // r) * relayed * FP32,
+        }
+        backward = {
+            "routing_weight_grad_reduce_scatter": others * s * k * FP32,
             "token_grad_reduce_scatter": others * s * lat * a,
             "combine_grad_all_gather": others * s * lat * FP32,
-            "copy_grad_reduce_scatter": others * (e // r) * per_expert * FP32,
+            "copy_grad_all_to_all": 2 * others * (e // r) * relayed * FP32,
         }
         formula = {
             "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
             "token_all_gather": "(R-1)*S*L*a",
             "combine_reduce_scatter": "(R-1)*S*L*4",
-            "copy_weights_all_gather": "(R-1)*(E/R)*3*L*I*4",
-            "backward": "(R-1)*S*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
+            "copy_weights_all_to_all": "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
+            "backward": "(R-1)*S*K*4 + (R-1)*S*L*(a + 4) "
+                        "+ 2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
         }
     elif dispatch == "dynamic":  # all-to-all; uniform routing, worst case in the formula
         moved = s * k * others // r
@@ -47,6 +80,8 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
         formula = {"dispatch_all_to_all": "S*K*(R-1)/R*L*a balanced, up to (R-1)*S*K*L*a "
                                           "when every entry goes to one rank",
                    "combine_all_to_all": "the same, back", "backward": "the same, both ways"}
+    elif dispatch == "moonep":
+        raise ValueError(f"transport={transport!r} is invalid: 'collective' or 'symm_mem'")
     else:
         raise ValueError(f"dispatch={dispatch!r} is invalid: 'moonep' or 'dynamic'")
     return {"forward": forward, "backward": backward, "formula": formula,

@@ -1,24 +1,44 @@
 """How MoonEP moves data between expert-parallel ranks: one small interface, two transports.
 
 Every call has shapes fixed by (S, K, E, R) alone, never by the routing, so no rank needs to
-know on the host how much it will receive.
+know on the host how much it will receive. Where each row goes is computed by the shared
+functions of exchange.py, so the two transports differ only in what they move.
 
 - `CollectiveTransport` (portable: gloo, NCCL; the reference and the CPU/CI path): tokens by an
   all-gather of the latent rows and a local selection, results by a local scatter-add and a
-  reduce-scatter, copied weights by an all-gather of the home experts and a local selection
-  (its backward reduce-scatters the copies' fp32 gradients back to their owners).
-A CUDA symmetric-memory transport (each rank reading only the rows and the one home rank's
-expert weights it needs from peer buffers at device-side offsets) would implement the same
-`Transport`; it is not written yet.
+  reduce-scatter, copied weights by two equal-split all-to-alls of 1/R of every expert each
+  (piece j of every home expert to rank j, then from each rank j piece j of the experts each
+  rank copies): about 2 (E/R) experts received per rank instead of an all-gather's E, shapes
+  still fixed. Their backward returns the copies' fp32 gradients to the owners the same way.
+- `SymmMemTransport` (CUDA with NVSHMEM, torch symmetric memory): each token once to each rank
+  holding one of its entries, results back the same way, each copied expert only to the ranks
+  copying it, all with `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host
+  sync) into static buffers of the worst-case size. Written against the collective transport's
+  tests; not yet run on a GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from parallel.moonep.exchange import (
+    copies_sent,
+    pack_index,
+    receive_rows,
+    token_rows,
+    tokens_received,
+    tokens_sent,
+)
+
+# exchange(x [C_in, ...], rows_to_each_peer [R] int64, rows_out) -> [rows_out, ...]: the rows
+# each source sends this rank, block by block in source order, then zeros.
+Exchange = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class Transport(Protocol):
@@ -29,20 +49,35 @@ class Transport(Protocol):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] -> [R * n, ...], rank-major, differentiable (small metadata)."""
 
-    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor,
+                 entry_dest: torch.Tensor) -> torch.Tensor:
         """x [S, L] this rank's tokens; token_of_slot [N] global token r * S + i of each buffer
-        row (R * S: an empty row) -> buffer [N, L]. Differentiable in x."""
+        row (R * S: an empty row); entry_dest [R, S, K] the destination rank of every rank's
+        entries -> buffer [N, L]. Differentiable in x."""
 
     def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
-                num_tokens: int) -> torch.Tensor:
-        """rows [N, L] (weighted expert outputs) -> [S = num_tokens, L]: for each of this
-        rank's tokens the sum over all ranks of the rows whose token it is. Differentiable."""
+                entry_dest: torch.Tensor) -> torch.Tensor:
+        """rows [N, L] (weighted expert outputs) -> [S, L]: for each of this rank's tokens the
+        sum over all ranks of the rows whose token it is. Differentiable."""
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
-        """home [G, ...] this rank's experts' weights; copied_experts [G] global expert ids
-        (-1 unused) -> [G, ...] copies in fp32 or wider (zeros where unused). Backward returns
-        each copy's gradient, in that dtype, to its owner, summed in a fixed order, added to the
-        home gradient."""
+        """home [G, ...] this rank's experts' weights; copied_experts [R, G] every rank's copy
+        slots' global expert ids (-1 unused) -> [G, ...] this rank's copies in fp32 or wider
+        (zeros where unused). Backward returns each copy's gradient, in that dtype, to its
+        owner, summed, added to the home gradient."""
+
+
+def copy_piece(numel: int, ranks: int) -> int:
+    """Elements of one expert weight each rank relays in the collective copy exchange."""
+    return -(-numel // ranks)
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+
+def _copy_dtype(home: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(home.dtype, torch.float32)
 
 
 class CollectiveTransport:
@@ -57,17 +92,160 @@ class CollectiveTransport:
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.reduce_scatter_single_autograd(x, "sum", 0, self.group))
 
-    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor) -> torch.Tensor:
-        every_token = torch.cat([self.all_gather(x), x.new_zeros(1, x.shape[-1])])
-        return every_token.index_select(0, token_of_slot)
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """[R * n, ...] -> [R * n, ...]: block d to rank d, block j from rank j (equal splits)."""
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, None, None, self.group))
+
+    def _everything(self, per_rank: int, device: torch.device) -> torch.Tensor:
+        """The all-gather's `sent`: every rank's every item reaches every rank."""
+        return torch.ones(self.size, per_rank, dtype=torch.long, device=device)
+
+    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor,
+                 entry_dest: torch.Tensor) -> torch.Tensor:
+        everything = self._everything(x.shape[0], x.device)
+        rows = token_rows(token_of_slot, everything, everything.numel())
+        return _with_zero_row(self.all_gather(x)).index_select(0, rows)
 
     def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
-                num_tokens: int) -> torch.Tensor:
-        num_global = self.size * num_tokens
-        per_token = rows.new_zeros(num_global + 1, rows.shape[-1]).index_add(0, token_of_slot, rows)
+                entry_dest: torch.Tensor) -> torch.Tensor:
+        everything = self._everything(entry_dest.shape[1], rows.device)
+        num_global = everything.numel()
+        per_token = rows.new_zeros(num_global + 1, rows.shape[-1]).index_add(
+            0, token_rows(token_of_slot, everything, num_global), rows)
         return self.reduce_scatter(per_token[:num_global])
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
-        every_expert = self.all_gather(home.to(torch.promote_types(home.dtype, torch.float32)))
-        used = (copied_experts >= 0).view(-1, *([1] * (home.dim() - 1)))
-        return every_expert.index_select(0, copied_experts.clamp(min=0)) * used
+        per_rank, ranks = home.shape[0], self.size
+        flat = home.to(_copy_dtype(home)).reshape(per_rank, -1)
+        numel = flat.shape[1]
+        piece = copy_piece(numel, ranks)
+        # 1: piece j of each of this rank's experts to rank j -> piece `rank` of every expert.
+        pieces = F.pad(flat, (0, piece * ranks - numel)).view(per_rank, ranks, piece)
+        every_piece = self.all_to_all(pieces.transpose(0, 1).reshape(ranks * per_rank, piece))
+        # 2: to each rank d this rank's piece of each expert d copies (unused slots send
+        # expert 0, zeroed below) -> piece j of this rank's copies from each rank j.
+        everything = self._everything(per_rank, home.device)
+        rows = receive_rows(everything, copied_experts // per_rank, copied_experts % per_rank,
+                            copied_experts >= 0, 0)
+        got = self.all_to_all(every_piece.index_select(0, rows.reshape(-1)))
+        copies = got.view(ranks, per_rank, piece).transpose(0, 1).reshape(per_rank, -1)
+        used = (copied_experts[self.rank] >= 0)[:, None]
+        return (copies[:, :numel] * used).reshape(home.shape)
+
+
+class _Exchanged(torch.autograd.Function):
+    """exchange() forward; backward sends the gradients back along the same rows."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, rows_out, exchange):
+        ctx.save_for_backward(recv_splits)
+        ctx.rows_in, ctx.exchange = x.shape[0], exchange
+        return exchange(x, send_splits, rows_out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (recv_splits,) = ctx.saved_tensors
+        return ctx.exchange(grad.contiguous(), recv_splits, ctx.rows_in), None, None, None, None
+
+
+def symm_mem_unavailable() -> str | None:
+    """Why the symm_mem transport cannot run here (None: it can)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (torch symmetric memory); torch.cuda.is_available() is False"
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not symm_mem.is_nvshmem_available():
+        return ("needs NVSHMEM for all_to_all_vdev; "
+                "torch.distributed._symmetric_memory.is_nvshmem_available() is False")
+    return None
+
+
+class NvshmemExchange:
+    """`Exchange` over symm_mem.all_to_all_vdev: static symmetric buffers per shape (made, and
+    rendezvoused, on first use in the same order on every rank), split sizes on the device."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.symm_mem = symm_mem
+        self.group_name = group.group_name
+        self.size = dist.get_world_size(group)
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            if self.symm_mem.get_backend(device) != "NVSHMEM":
+                self.symm_mem.set_backend("NVSHMEM")
+            buffer = self.symm_mem.empty(shape, dtype=dtype, device=device)
+            self.symm_mem.rendezvous(buffer, self.group_name)
+            self._buffers[key] = buffer
+        return buffer
+
+    def __call__(self, x: torch.Tensor, send_splits: torch.Tensor,
+                 rows_out: int) -> torch.Tensor:
+        width = x[0].numel()
+        key = (x.shape[0], rows_out, width, x.dtype)
+        source = self._buffer(("in", *key), (x.numel(),), x.dtype, x.device)
+        target = self._buffer(("out", *key), (rows_out * width,), x.dtype, x.device)
+        splits = self._buffer(("splits", *key), (self.size,), torch.long, x.device)
+        offsets = self._buffer(("offsets", *key), (2, self.size), torch.long, x.device)
+        source.copy_(x.reshape(-1))
+        splits.copy_(send_splits * width)  # 1-D buffers: splits in elements
+        torch.ops.symm_mem.all_to_all_vdev(source, target, splits, offsets, self.group_name)
+        received = offsets[0].sum() // width
+        out = target.view(rows_out, width)
+        # A fresh tensor, its tail (rows no source sent) zeroed: the buffers are reused.
+        live = torch.arange(rows_out, device=x.device)[:, None] < received
+        return torch.where(live, out, 0).view(rows_out, *x.shape[1:])
+
+
+class SymmMemTransport(CollectiveTransport):
+    """Tokens, results and copied weights by `exchange` (NVSHMEM's all_to_all_vdev by default;
+    tests pass an equivalent over gloo); the small metadata all-gathers stay collectives."""
+
+    def __init__(self, group: dist.ProcessGroup, exchange: Exchange | None = None):
+        super().__init__(group)
+        self.exchange = exchange if exchange is not None else NvshmemExchange(group)
+
+    def _token_routes(self, entry_dest: torch.Tensor):
+        """(what this rank sends, what it receives, rows of either buffer): a token reaches at
+        most min(K, R) ranks, and a rank receives at most its S*K entries' tokens, at most S
+        from each of the R ranks."""
+        num_ranks, num_tokens, top_k = entry_dest.shape
+        return (tokens_sent(entry_dest, self.rank), tokens_received(entry_dest, self.rank),
+                num_tokens * min(top_k, num_ranks))
+
+    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor,
+                 entry_dest: torch.Tensor) -> torch.Tensor:
+        sent, received, rows = self._token_routes(entry_dest)
+        local = torch.arange(x.shape[0], device=x.device).expand_as(sent)
+        packed = _with_zero_row(x).index_select(0, pack_index(sent, local, rows, x.shape[0]))
+        got = _Exchanged.apply(packed, sent.sum(1), received.sum(1), rows, self.exchange)
+        return _with_zero_row(got).index_select(0, token_rows(token_of_slot, received, rows))
+
+    def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
+                entry_dest: torch.Tensor) -> torch.Tensor:
+        sent, received, capacity = self._token_routes(entry_dest)
+        num_tokens = entry_dest.shape[1]
+        per_row = rows.new_zeros(capacity + 1, rows.shape[-1]).index_add(
+            0, token_rows(token_of_slot, received, capacity), rows)[:capacity]
+        back = _Exchanged.apply(per_row, received.sum(1), sent.sum(1), capacity, self.exchange)
+        local = torch.arange(num_tokens, device=rows.device).expand_as(sent)
+        return rows.new_zeros(num_tokens + 1, rows.shape[-1]).index_add(
+            0, pack_index(sent, local, capacity, num_tokens), back)[:num_tokens]
+
+    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
+        per_rank = home.shape[0]
+        every = copies_sent(copied_experts, per_rank)  # [R_home, R, G]
+        sent, received = every[self.rank], every[:, self.rank]
+        rows_in = self.size * per_rank  # every rank may copy any of this rank's experts
+        local = copied_experts.clamp(min=0) % per_rank
+        packed = _with_zero_row(home.to(_copy_dtype(home))).index_select(
+            0, pack_index(sent, local, rows_in, per_rank))
+        got = _Exchanged.apply(packed, sent.sum(1), received.sum(1), per_rank, self.exchange)
+        mine = copied_experts[self.rank]
+        slots = torch.arange(per_rank, device=home.device)
+        rows = receive_rows(received, mine.clamp(min=0) // per_rank, slots, mine >= 0, per_rank)
+        return _with_zero_row(got).index_select(0, rows)

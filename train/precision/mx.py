@@ -11,7 +11,8 @@ Scale exponent:
 both clamped to [-127, 127]. An all-zero block gets e = -127 (byte 0); a NaN or Inf anywhere in
 a block makes the whole block NaN (byte 0xFF, element codes 0, dequantises to NaN).
 
-Everything is computed in fp32 with exact integer/bit arithmetic (no log2, no host sync, static
+Everything is computed in fp32 (fp64 for fp64 inputs, so that a float64 run is not rounded to
+fp32 before the element grid) with exact integer/bit arithmetic (no log2, no host sync, static
 shapes), so the same code runs inside training forward passes on any device.
 """
 
@@ -25,7 +26,17 @@ import torch
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 SCALE_MODES = ("floor", "rceil")
-_F32_MANTISSA_BITS = 23
+
+
+class _FloatBits(NamedTuple):
+    mantissa_bits: int
+    bias: int
+    int_dtype: torch.dtype
+
+
+# The float formats the quantiser computes in: fp64 inputs in fp64, every other input in fp32.
+_FLOAT_BITS = {torch.float32: _FloatBits(23, 127, torch.int32),
+               torch.float64: _FloatBits(52, 1023, torch.int64)}
 
 
 @dataclass(frozen=True)
@@ -102,7 +113,7 @@ class MXTensor:
         values = _decode(self.codes.to(torch.int32), spec)
         values = values.reshape(*self.scales.shape, self.block_size)
         exponent = self.scales.to(torch.int32) - E8M0_BIAS
-        values = values * _pow2(exponent.clamp(max=127)).unsqueeze(-1)
+        values = values * _pow2(exponent.clamp(max=127), torch.float32).unsqueeze(-1)
         values = torch.where((self.scales == E8M0_NAN).unsqueeze(-1), float("nan"), values)
         return values.reshape(self.shape).to(dtype)
 
@@ -136,7 +147,7 @@ def quantize_mx(x: torch.Tensor, fmt: str, block_size: int = 32,
     _check_scale_mode(scale_mode)
     blocks = _to_blocks(x, block_size)
     exponent, is_nan = _block_exponent(blocks, spec, scale_mode)
-    steps, binade = _round_to_grid(blocks * _pow2(-exponent).unsqueeze(-1), spec)
+    steps, binade = _round_to_grid(blocks * _pow2(-exponent, blocks.dtype).unsqueeze(-1), spec)
     # Code of steps * 2^(binade - mbits): a carry into the next binade lands on the right code.
     magnitude = ((binade + (spec.bias - 1)) << spec.mbits) + steps.to(torch.int32)
     codes = magnitude.clamp(max=spec.max_code) | (torch.signbit(blocks).to(torch.int32)
@@ -157,9 +168,9 @@ def fake_quantize_mx(x: torch.Tensor, fmt: str, block_size: int = 32,
     _check_scale_mode(scale_mode)
     blocks = _to_blocks(x, block_size)
     exponent, is_nan = _block_exponent(blocks, spec, scale_mode)
-    steps, binade = _round_to_grid(blocks * _pow2(-exponent).unsqueeze(-1), spec)
-    magnitude = torch.clamp(steps * _pow2(binade - spec.mbits), max=spec.max_value)
-    values = torch.copysign(magnitude, blocks) * _pow2(exponent).unsqueeze(-1)
+    steps, binade = _round_to_grid(blocks * _pow2(-exponent, blocks.dtype).unsqueeze(-1), spec)
+    magnitude = torch.clamp(steps * _pow2(binade - spec.mbits, blocks.dtype), max=spec.max_value)
+    values = torch.copysign(magnitude, blocks) * _pow2(exponent, blocks.dtype).unsqueeze(-1)
     values = torch.where(is_nan.unsqueeze(-1), float("nan"), values)
     return values.reshape(x.shape).to(x.dtype)
 
@@ -170,35 +181,40 @@ def _to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     if x.dim() == 0 or block_size <= 0 or x.shape[-1] % block_size != 0:
         raise ValueError(f"MX quantisation needs the last dimension of shape {tuple(x.shape)} "
                          f"to be a multiple of block_size={block_size}")
-    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.to(compute).reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 
-def _pow2(n: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 2^n for integer n in [-127, 127], built from the bits (2^-127 is subnormal)."""
-    n = n.to(torch.int32)
-    normal = ((n.clamp(min=-126) + 127) << _F32_MANTISSA_BITS).view(torch.float32)
-    return torch.where(n < -126, 2.0**-127, normal)
+def _pow2(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Exact 2^n in `dtype` (fp32 or fp64) for the integer n used here, built from the bits.
+    The one power below the normal range is fp32's 2^-127, the smallest E8M0 scale."""
+    bits = _FLOAT_BITS[dtype]
+    n = n.to(bits.int_dtype)
+    normal = ((n.clamp(min=1 - bits.bias) + bits.bias) << bits.mantissa_bits).view(dtype)
+    return torch.where(n < 1 - bits.bias, 2.0**-127, normal)
 
 
-def _f32_fields(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unbiased exponent, mantissa bits) of non-negative fp32 values. Zero and subnormals give
-    -127, which every caller clamps away."""
-    bits = v.view(torch.int32)
-    return (bits >> _F32_MANTISSA_BITS) - 127, bits & ((1 << _F32_MANTISSA_BITS) - 1)
+def _float_fields(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unbiased exponent, mantissa bits) of non-negative fp32 or fp64 values. Zero and
+    subnormals give the format's -bias, which every caller clamps away."""
+    fmt = _FLOAT_BITS[v.dtype]
+    bits = v.view(fmt.int_dtype)
+    return (bits >> fmt.mantissa_bits) - fmt.bias, bits & ((1 << fmt.mantissa_bits) - 1)
 
 
 def _block_exponent(blocks: torch.Tensor, spec: ElementFormat,
                     scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared scale exponent per block (int32 in [-127, 127]) and the NaN-block mask."""
     amax = blocks.abs().amax(dim=-1)  # NaN propagates, Inf stays Inf
-    exponent, mantissa = _f32_fields(amax)
+    exponent, mantissa = _float_fields(amax)
     exponent = exponent - spec.emax
     if scale_mode == "rceil":
         # amax = 1.m * 2^k: ceil(log2(amax / max_value)) is k - emax, plus one exactly when
         # 1.m exceeds max_value / 2^emax (1.5 for E2M1, 1.75 for E4M3).
-        threshold = round((spec.max_value / 2.0**spec.emax - 1) * 2**_F32_MANTISSA_BITS)
-        exponent = exponent + (mantissa > threshold).to(torch.int32)
-    return exponent.clamp(-E8M0_BIAS, E8M0_BIAS), ~torch.isfinite(amax)
+        mantissa_bits = _FLOAT_BITS[amax.dtype].mantissa_bits
+        threshold = round((spec.max_value / 2.0**spec.emax - 1) * 2**mantissa_bits)
+        exponent = exponent + (mantissa > threshold).to(exponent.dtype)
+    return exponent.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32), ~torch.isfinite(amax)
 
 
 def _round_to_grid(scaled: torch.Tensor,
@@ -206,8 +222,9 @@ def _round_to_grid(scaled: torch.Tensor,
     """|scaled| rounded half-to-even to the element grid, unsaturated, as (steps, binade):
     value = steps * 2^(binade - mbits), binade >= emin (the subnormal binade shares emin)."""
     magnitude = scaled.abs()
-    binade = _f32_fields(magnitude)[0].clamp(min=spec.emin)
-    steps = torch.round(magnitude * _pow2(spec.mbits - binade))  # exact scaling; round = RNE
+    binade = _float_fields(magnitude)[0].clamp(min=spec.emin).to(torch.int32)
+    # exact scaling; round = RNE
+    steps = torch.round(magnitude * _pow2(spec.mbits - binade, magnitude.dtype))
     return steps, binade
 
 
@@ -216,7 +233,8 @@ def _decode(codes: torch.Tensor, spec: ElementFormat) -> torch.Tensor:
     field = (codes >> spec.mbits) & ((1 << spec.ebits) - 1)
     mantissa = codes & ((1 << spec.mbits) - 1)
     significand = mantissa + torch.where(field > 0, 1 << spec.mbits, 0)
-    magnitude = significand.float() * _pow2(field.clamp(min=1) - spec.bias - spec.mbits)
+    magnitude = significand.float() * _pow2(field.clamp(min=1) - spec.bias - spec.mbits,
+                                            torch.float32)
     if spec.nan_code is not None:
         magnitude = torch.where((codes & (spec.sign_bit - 1)) == spec.nan_code, float("nan"),
                                 magnitude)
