@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from model.attnres import BlockState
 from model.batch import K3Batch
+from model.dtypes import compute_dtype
 from model.k3 import K3Model
 
 SCHEDULES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -228,7 +229,7 @@ class PipelineStep:
 
         inputs = ((torch.zeros(b, t, dtype=torch.long, device=device),) if stage == 0
                   else crossing(layers.start))
-        outputs = ((torch.empty((), dtype=torch.float32, device=device),)
+        outputs = ((torch.empty((), dtype=compute_dtype(dtype), device=device),)  # the loss
                    if stage == len(self.splits) - 1 else crossing(layers.stop))
         return inputs, outputs
 
