@@ -168,6 +168,16 @@ def shard_experts(model: K3Model, topology, cfg) -> None:
                           moonep.transport, moonep.alignment)
 
 
+def _data_parallel_dims(topology) -> tuple[str, ...]:
+    """The data-parallel dimensions of the layout's mesh (before "tp"): FSDP2 shards over
+    dp_shard (x cp) and, for HSDP, replicates over dp_replicate; `replicate` (modes none and
+    optimizer) all-reduces every gradient over all dp x cp ranks, one dimension (it takes 1-D
+    meshes only; flattening two would create a process group outside the topology)."""
+    if topology.data_shard != "full":
+        return ("dp_cp",)
+    return ("dp_replicate", "dp_shard_cp" if topology.cp > 1 else "dp_shard")
+
+
 def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
                 ) -> ParallelPlan:
     """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
@@ -181,10 +191,8 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
     plan = ParallelPlan(model, topology)
     plan.expert_parallel = topology is not None and topology.ep > 1
     mesh = None
-    shard_dim = "dp_shard"
     if topology is not None and topology.world_size > 1:
-        shard_dim = "dp_shard_cp" if topology.cp > 1 else "dp_shard"
-        mesh = topology.mesh("dp_replicate", shard_dim, "tp")
+        mesh = topology.mesh(*_data_parallel_dims(topology), "tp")
     if mesh is not None and topology.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel)
     if mesh is not None and topology.cp > 1:
@@ -195,16 +203,16 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         compile_sublayers(model)
     if mesh is not None and topology.dp * topology.cp > 1 and not plan.expert_parallel:
         mode = topology.data_shard
-        if mode != "full" and topology.dp_replicate > 1:
-            raise NotImplementedError("parallel.data_replicate > 1 is HSDP: it needs "
-                                      "parallel.data_shard=full")
-        dp_mesh = (mesh["dp_replicate", shard_dim] if topology.dp_replicate > 1
-                   else mesh[shard_dim])
-        apply_data_parallel(model, dp_mesh, mode)
+        dims = _data_parallel_dims(topology)
+        if topology.dp_replicate == 1:
+            dims = dims[-1:]
+        apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode)
         plan.data_parallel = True
         if mode == "optimizer":
+            # Owners within one replica (the shard dim x cp); every replica holds the same
+            # state for its copy, updated from the same gradients, summed over all dp x cp.
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            plan.zero = ZeroOneOwnership(params, topology.group("dp_cp"))
+            plan.zero = ZeroOneOwnership(params, topology.group("dp_shard_cp"))
     if mesh is not None:
         plan.exchange = DTensorExchange()
     return plan

@@ -1,7 +1,8 @@
-"""Checkpoints move between layouts: saved by 4 FSDP2 ranks, resumed by 4 ZeRO-1 ranks, by 2
-data-parallel ranks (another DP size) and by 2 tensor-parallel ranks, whose checkpoint one
-process resumes; every resumed step's loss equals the run that never moved (Muon + AdamW state,
-QK-Clip, Quantile Balancing buffers all carried)."""
+"""Checkpoints move between layouts: saved by 4 FSDP2 ranks, resumed by 4 ZeRO-1 ranks, by 2x2
+HSDP ZeRO-1 ranks (whose checkpoint, optimizer state held once per replica, 4 ZeRO-1 ranks
+resume), by 2 data-parallel ranks (another DP size) and by 2 tensor-parallel ranks, whose
+checkpoint one process resumes; every resumed step's loss equals the run that never moved
+(Muon + AdamW state, QK-Clip, Quantile Balancing buffers all carried)."""
 
 from __future__ import annotations
 
@@ -29,16 +30,21 @@ def _world(rank: int, world: int, plan: list) -> dict:
 
 def test_resume_at_other_layouts_continues_the_same_losses(tmp_path):
     straight = run_steps(tiny_config("muon"), None, STEPS).losses
-    fsdp, tp = tmp_path / "fsdp4", tmp_path / "tp2"
+    fsdp, tp, hsdp = tmp_path / "fsdp4", tmp_path / "tp2", tmp_path / "hsdp_zero1"
+    zero1 = dict(data=4, data_shard="optimizer")
     four = spawn(_world, 4, tmp_path / "w4", [
         ("fsdp4", dict(data=4, data_shard="full"), 2, None, fsdp),
-        ("zero4", dict(data=4, data_shard="optimizer"), 3, fsdp, None)])
+        ("zero4", zero1, 3, fsdp, None),
+        ("hsdp_zero1", dict(zero1, data_replicate=2), 3, fsdp, hsdp),
+        ("zero4 from hsdp_zero1", zero1, 4, hsdp, None)])
     two = spawn(_world, 2, tmp_path / "w2", [
         ("tp2", dict(tensor=2), 3, fsdp, tp),
         ("dp2", dict(data=2), 3, fsdp, None)])
     one = run_steps(tiny_config("muon"), None, STEPS, resume=tp).losses
     got = {"fsdp4 steps 1-2": (four["fsdp4"], straight[:2]),
            "zero4 step 3 from fsdp4": (four["zero4"], straight[2:3]),
+           "hsdp_zero1 step 3 from fsdp4": (four["hsdp_zero1"], straight[2:3]),
+           "zero4 step 4 from hsdp_zero1": (four["zero4 from hsdp_zero1"], straight[3:4]),
            "tp2 step 3 from fsdp4": (two["tp2"], straight[2:3]),
            "dp2 step 3 from fsdp4": (two["dp2"], straight[2:3]),
            "1 process step 4 from tp2": (one, straight[3:4])}

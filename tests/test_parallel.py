@@ -40,7 +40,8 @@ WORLD_2 = {"dp2": dict(data=2), "tp2": dict(tensor=2, sequence_parallel=False)}
 WORLD_4 = {"dp4_optimizer": dict(data=4, data_shard="optimizer"),
            "dp4_full": dict(data=4, data_shard="full"),
            "tp2_dp2_sp": dict(tensor=2, data=2, sequence_parallel=True),
-           "hsdp_2x2": dict(data=4, data_replicate=2, data_shard="full")}
+           "hsdp_2x2": dict(data=4, data_replicate=2, data_shard="full"),
+           "hsdp_2x2_optimizer": dict(data=4, data_replicate=2, data_shard="optimizer")}
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ class ParallelConfig:
     stage as expert_data * expert * expert_tensor. Validated by Topology.from_config."""
 
     data: int = -1  # data-parallel ranks (replicas x shards); -1: what the world size leaves
-    data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard=full)
+    data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard optimizer|full)
     data_shard: str = "none"  # none (DDP) | optimizer (ZeRO-1) | full (FSDP2)
     tensor: int = 1
     sequence_parallel: bool = True  # with tensor > 1: norms and AttnRes mixes sharded on T
