@@ -29,7 +29,12 @@ from train.optim.muon import LocalExchange, MatrixExchange
 from train.optim.qk_clip import qk_clip_factors
 
 from .context_parallel import ContextParallel, apply_context_parallel, shard_batch
-from .data_parallel import ZeroOneOwnership, apply_data_parallel, fill_missing_gradients
+from .data_parallel import (
+    ZeroOneOwnership,
+    allreduce_gradients,
+    apply_data_parallel,
+    fill_missing_gradients,
+)
 from .expert_parallel import (
     ExpertShardedState,
     allreduce_expert_parallel_gradients,
@@ -55,6 +60,10 @@ class ParallelPlan:
     exchange: MatrixExchange = LocalExchange()
     context: ContextParallel | None = None
     expert_parallel: bool = False  # experts sharded (shard_experts): own gradient reductions
+    # Data parallelism on plain host tensors (optim.offload=cpu): gradients summed after backward
+    # by allreduce_gradients instead of FSDP2 `replicate`, whose DTensor parameters DeepSpeed's
+    # host AdamW cannot step (its C++ op takes plain CPU tensors).
+    plain_data_parallel: bool = False
 
     def _group(self, name: str):
         return None if self.topology is None else self.topology.group(name)
@@ -89,10 +98,14 @@ class ParallelPlan:
     def finish_gradients(self) -> None:
         """After backward: gradients for unreached parameters and, without data parallelism's
         reduction, the tensor-parallel partial sums completed. Under expert parallelism dense
-        gradients are summed over dp x cp and expert gradients over the expert-data ranks."""
+        gradients are summed over dp x cp and expert gradients over the expert-data ranks; with
+        plain data parallelism every gradient over dp x cp."""
         if not self.data_parallel:
             reduce_partial_gradients(self.model)
         fill_missing_gradients(self.model)
+        if self.plain_data_parallel:
+            allreduce_gradients([p for p in self.model.parameters() if p.requires_grad],
+                                self._group("dp_cp"))
         if self.expert_parallel:
             allreduce_expert_parallel_gradients(self.model, self._group("dp_cp"),
                                                 self._group("edp"))
@@ -203,11 +216,14 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         compile_sublayers(model)
     if mesh is not None and topology.dp * topology.cp > 1 and not plan.expert_parallel:
         mode = topology.data_shard
-        dims = _data_parallel_dims(topology)
-        if topology.dp_replicate == 1:
-            dims = dims[-1:]
-        apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode)
-        plan.data_parallel = True
+        if cfg.optim.offload == "cpu":  # validated: mode none or optimizer, tensor 1
+            plan.plain_data_parallel = True
+        else:
+            dims = _data_parallel_dims(topology)
+            if topology.dp_replicate == 1:
+                dims = dims[-1:]
+            apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode)
+            plan.data_parallel = True
         if mode == "optimizer":
             # Owners within one replica (the shard dim x cp); every replica holds the same
             # state for its copy, updated from the same gradients, summed over all dp x cp.
