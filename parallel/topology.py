@@ -386,17 +386,23 @@ class Topology:
         group = self._roll_call_group
         token = torch.tensor([me])
         others = [r for r in range(self.world_size) if r != me]
-        sends = [dist.isend(token, r, group=group) for r in others]
+        sends = {r: dist.isend(token, r, group=group) for r in others}
         answers = {r: dist.irecv(torch.empty_like(token), r, group=group) for r in others}
         deadline = time.monotonic() + timeout_s
-        missing = []
-        for r, work in answers.items():
-            left = max(deadline - time.monotonic(), 1e-3)
+
+        def arrived(work) -> bool:
             try:
-                work.wait(datetime.timedelta(seconds=left))
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except RuntimeError:  # timed out, or the peer's connection is gone
-                missing.append(r)
-        del sends  # those to missing ranks never complete; the job ends anyway
+                return False
+            return True
+
+        missing = [r for r, work in answers.items() if not arrived(work)]
+        # Our token must reach every rank that answered before this rank may go on (and close
+        # the group's connections); those to missing ranks never complete.
+        for r in others:
+            if r not in missing:
+                arrived(sends[r])
         return missing
 
     def _this_rank(self) -> int:
