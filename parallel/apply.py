@@ -74,6 +74,10 @@ class ParallelPlan:
     # Ranks that route different tokens to the same experts (Quantile Balancing's statistics).
     balancer_group: str = "dp_cp"
     pipeline: PipelineStep | None = None  # this rank's stages and their schedule
+    # Data parallelism on plain host tensors (optim.offload=cpu): gradients summed after backward
+    # by allreduce_gradients instead of FSDP2 `replicate`, whose DTensor parameters DeepSpeed's
+    # host AdamW cannot step (its C++ op takes plain CPU tensors).
+    plain_data_parallel: bool = False
 
     def _group(self, name: str):
         return None if self.topology is None else self.topology.group(name)
@@ -133,13 +137,18 @@ class ParallelPlan:
 
     def finish_gradients(self) -> None:
         """After backward: gradients for unreached parameters and, without data parallelism's
-        reduction, the tensor-parallel partial sums completed. Under expert parallelism without
-        FSDP2 dense gradients are summed over dp x cp and expert gradients over the expert-data
-        ranks here (FSDP2 reduces each over its own mesh)."""
+        reduction, the tensor-parallel partial sums completed. With plain data parallelism
+        (offload) every gradient is summed over dp x cp here; under expert parallelism without
+        FSDP2 dense gradients over dp x cp and expert gradients over the expert-data ranks
+        (FSDP2 reduces each over its own mesh); under the pipeline each stage's over its dp x cp
+        ranks."""
         if not self.data_parallel:
             reduce_partial_gradients(self.model)
         fill_missing_gradients(self.model)
-        if self.expert_parallel and not self.data_parallel:
+        if self.plain_data_parallel:
+            allreduce_gradients([p for p in self.model.parameters() if p.requires_grad],
+                                self._group("dp_cp"))
+        elif self.expert_parallel and not self.data_parallel:
             allreduce_expert_parallel_gradients(self.model, self._group("dp_cp"),
                                                 self._group("edp"))
         elif self.pipeline is not None:  # the stage's gradients (local parts under TP)
@@ -247,6 +256,16 @@ def _pipeline_step(model: K3Model, topology, cfg, mesh) -> PipelineStep:
                         (cfg.stage.micro_batch_size, cfg.stage.seq_len), device, activations)
 
 
+def _data_parallel_dims(topology) -> tuple[str, ...]:
+    """The data-parallel dimensions of the layout's mesh (before "tp"): FSDP2 shards over
+    dp_shard (x cp) and, for HSDP, replicates over dp_replicate; `replicate` (modes none and
+    optimizer) all-reduces every gradient over all dp x cp ranks, one dimension (it takes 1-D
+    meshes only; flattening two would create a process group outside the topology)."""
+    if topology.data_shard != "full":
+        return ("dp_cp",)
+    return ("dp_replicate", "dp_shard_cp" if topology.cp > 1 else "dp_shard")
+
+
 def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
                 ) -> ParallelPlan:
     """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
@@ -263,10 +282,8 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         raise NotImplementedError("parallel.data_shard=optimizer (ZeRO-1) with parallel.expert "
                                   "> 1: use none or full")
     mesh = None
-    shard_dim = "dp_shard"
     if topology is not None and topology.world_size > 1:
-        shard_dim = "dp_shard_cp" if topology.cp > 1 else "dp_shard"
-        mesh = topology.mesh("dp_replicate", shard_dim, "tp")
+        mesh = topology.mesh(*_data_parallel_dims(topology), "tp")
     if mesh is not None and topology.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel,
                               expert_parallel=plan.expert_parallel)
@@ -284,24 +301,27 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
     if (mesh is not None and topology.dp * topology.cp > 1
             and (not plan.expert_parallel or topology.data_shard == "full")):
         mode = topology.data_shard
-        if mode != "full" and topology.dp_replicate > 1:
-            raise NotImplementedError("parallel.data_replicate > 1 is HSDP: it needs "
-                                      "parallel.data_shard=full")
-        if plan.pipeline is None:
-            dp_mesh = (mesh["dp_replicate", shard_dim] if topology.dp_replicate > 1
-                       else mesh[shard_dim])
-            apply_data_parallel(model, dp_mesh, mode,
+        if plan.pipeline is not None:
+            if mode == "full":
+                raise NotImplementedError("parallel.data_shard=full with parallel.pipeline > 1: "
+                                          "FSDP2 is not combined with the pipeline yet (none or "
+                                          "optimizer)")
+        elif cfg.optim.offload == "cpu":  # validated: mode none or optimizer, tensor 1
+            plan.plain_data_parallel = True
+        else:
+            dims = _data_parallel_dims(topology)
+            if topology.dp_replicate == 1:
+                dims = dims[-1:]
+            apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode,
                                 topology.mesh("edp") if plan.expert_parallel else None)
             if plan.expert_parallel:
                 mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
             plan.data_parallel = True
-        elif mode == "full":
-            raise NotImplementedError("parallel.data_shard=full with parallel.pipeline > 1: "
-                                      "FSDP2 is not combined with the pipeline yet (none or "
-                                      "optimizer)")
         if mode == "optimizer":
+            # Owners within one replica (the shard dim x cp); every replica holds the same
+            # state for its copy, updated from the same gradients, summed over all dp x cp.
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            plan.zero = ZeroOneOwnership(params, topology.group("dp_cp"))
+            plan.zero = ZeroOneOwnership(params, topology.group("dp_shard_cp"))
     if mesh is not None:
         plan.exchange = DTensorExchange()
     return plan

@@ -4,7 +4,9 @@
   decoder layer while backward runs on).
 - optimizer: ZeRO-1, K3's and Megatron's distributed optimizer: `replicate` for the gradients,
   optimizer state only for the parameters this rank owns (whole tensors, balanced by size);
-  owners broadcast the updated parameters after the step.
+  owners broadcast the updated parameters after the step. With dp_replicate > 1 (Megatron's
+  partial distributed optimizer) ownership and the broadcast stay within one replica (the
+  dp_shard ranks) while gradients are still all-reduced over every data-parallel rank.
 - full: FSDP2 `fully_shard` per decoder layer (parameters, gradients, state sharded); HSDP when
   the mesh is 2-D (dp_replicate x dp_shard).
 
@@ -62,8 +64,9 @@ def _shard_beside_strided_rows(param: nn.Parameter) -> Shard | None:
 
 def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
                         expert_mesh: DeviceMesh | None = None) -> None:
-    """Wraps `model` in place for data parallelism over `mesh` (1-D, or 2-D dp_replicate x
-    dp_shard for HSDP with mode full). `expert_mesh` (mode full under expert parallelism): the
+    """Wraps `model` in place for data parallelism over `mesh` (1-D: every data-parallel rank
+    for modes none and optimizer, the shard ranks for full; 2-D dp_replicate x dp_shard for
+    HSDP with mode full). `expert_mesh` (mode full under expert parallelism): the
     expert-data-parallel ranks, which hold the same experts; each MoE layer's experts become
     their own unit sharded over it first, so the enclosing layer leaves them out (torchtitan's
     dp_shard_mod_ep)."""
@@ -121,7 +124,10 @@ class ZeroOneOwnership:
 
     @torch.no_grad()
     def broadcast_updates(self) -> None:
-        """Every parameter from its owner to the other data-parallel ranks."""
+        """Every parameter from its owner to the other ranks of `group` (one HSDP replica's
+        shard ranks, or every data-parallel rank)."""
+        if self.size == 1:
+            return
         for name, p in self.params.items():
             src = dist.get_global_rank(self.group, self.owner[name])
             dist.broadcast(_local(p), src=src, group=self.group)

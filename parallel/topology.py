@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -117,6 +118,7 @@ class Topology:
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _own_groups: list = field(default_factory=list, init=False, repr=False, compare=False)
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _roll_call_group: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def initialized(self) -> bool:
@@ -359,16 +361,53 @@ class Topology:
                 raise RuntimeError(f"the {name} group {got} differs from the layout's "
                                    f"{self.ranks(name)} (rank {self.rank})")
         self._groups = g
+        # The roll call's own gloo group (CPU, whatever the training backend), made now while
+        # every rank is alive; the fake backend of the large-layout tests has no gloo.
+        if dist.get_backend() != "fake":
+            self._roll_call_group = self._create_group(list(range(self.world_size)),
+                                                       backend="gloo")
         return self
 
-    def _create_group(self, ranks: list[int], local: bool = False):
+    def _create_group(self, ranks: list[int], local: bool = False, backend: str | None = None):
         from megatron.core import parallel_state as ps
 
         group = ps.create_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                use_local_synchronization=local, group_desc="K3_TOPOLOGY")
+                                backend=backend, use_local_synchronization=local,
+                                group_desc="K3_TOPOLOGY")
         if self.rank in ranks:
             self._own_groups.append(group)
         return group
+
+    def unresponsive_ranks(self, timeout_s: float | None = None) -> list[int]:
+        """After a collective failed (a timeout, a lost peer): the global ranks that do not
+        answer a roll call within `timeout_s` (default parallel.timeout_s). Every rank sends
+        its number to every other one on the roll-call group and waits for theirs; healthy
+        ranks reach the roll call once their own collectives have failed too. Point-to-point
+        rather than gloo's `monitored_barrier`: that one reports on rank 0 alone, so a hung
+        rank 0 would leave every other rank with nothing to name."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        me = self._this_rank()
+        group = self._roll_call_group
+        token = torch.tensor([me])
+        others = [r for r in range(self.world_size) if r != me]
+        sends = {r: dist.isend(token, r, group=group) for r in others}
+        answers = {r: dist.irecv(torch.empty_like(token), r, group=group) for r in others}
+        deadline = time.monotonic() + timeout_s
+
+        def arrived(work) -> bool:
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            except RuntimeError:  # timed out, or the peer's connection is gone
+                return False
+            return True
+
+        missing = [r for r, work in answers.items() if not arrived(work)]
+        # Our token must reach every rank that answered before this rank may go on (and close
+        # the group's connections); those to missing ranks never complete.
+        for r in others:
+            if r not in missing:
+                arrived(sends[r])
+        return missing
 
     def _this_rank(self) -> int:
         if self.rank is None:
@@ -424,4 +463,5 @@ class Topology:
         for group in self._own_groups:
             dist.destroy_process_group(group)
         self._own_groups, self._groups, self._meshes = [], {}, {}
+        self._roll_call_group = None
         self.rank = self.device_type = None

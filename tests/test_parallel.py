@@ -33,6 +33,7 @@ WORLD_4 = {"dp4_optimizer": dict(data=4, data_shard="optimizer"),
            "dp4_full": dict(data=4, data_shard="full"),
            "tp2_dp2_sp": dict(tensor=2, data=2, sequence_parallel=True),
            "hsdp_2x2": dict(data=4, data_replicate=2, data_shard="full"),
+           "hsdp_2x2_optimizer": dict(data=4, data_replicate=2, data_shard="optimizer"),
            # FSDP2 shards TP's strided gate/up rows on dim 1 (parallel.data_parallel)
            "tp2_fsdp2": dict(tensor=2, data=2, data_shard="full", sequence_parallel=False)}
 FP32_CASE = ("tp2_dp2_sp", "adamw")  # compared in fp32 as well (losses and gradients)

@@ -1,7 +1,8 @@
 """k3-train under torchrun end to end: a tensor-parallel run equals one process, a pipeline run
 (2 stages) equals it too, validation loss included, and its checkpoint continues in one process
 with the same losses; a failing rank fails the job (non-zero exit within parallel.timeout_s, the
-last complete checkpoint valid) after which the same command resumes."""
+last complete checkpoint valid, a hung rank named by the others) after which the same command
+resumes."""
 
 from __future__ import annotations
 
@@ -95,8 +96,11 @@ def test_a_failing_rank_fails_the_job_and_the_run_resumes(tmp_path, sample_data_
     log = out.stdout + out.stderr
     if kind == "kill":  # torchrun names the rank that died by SIGKILL
         assert f"(exitcode: -9) local_rank: {failing_rank}" in log, log[-3000:]
-    else:  # the others' collectives time out after parallel.timeout_s
+    else:  # the others' collectives time out after parallel.timeout_s; their roll call names it
         assert "timed out" in log.lower() or "timeout" in log.lower(), log[-3000:]
+        named = (f"ranks that did not arrive within parallel.timeout_s={TIMEOUT_S}s: "
+                 f"[{failing_rank}]")
+        assert log.count(named) == 3, log[-3000:]  # on each of the other three ranks
     ckpt = run / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_00000002"
     # How long it took is reported, not asserted (a loaded machine stretches start-up); a job

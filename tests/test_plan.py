@@ -113,3 +113,45 @@ def test_hydra_errors_of_the_tools_exit_2_like_every_config_error(module):
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "no_such_preset" in out.stderr
+
+
+def test_data_parallel_bytes_per_collective_equal_the_hand_count():
+    """k3-plan's bytes per data-parallel collective and step (what benchmarks/parallel_overhead.py
+    counts on 4 gloo ranks, ratio 1.000 in RESULTS.md) against the count by hand on k3_tiny:
+    N fp32 parameters, N_root outside the decoder layers, each MoE layer's [E, bins + 1] int64
+    Quantile Balancing statistics."""
+    import torch
+
+    from model.config import k3_tiny
+    from model.k3 import K3Model
+    from parallel.topology import Topology
+    from train.config import ParallelConfig
+    from train.plan import data_parallel_bytes
+
+    cfg = k3_tiny()
+    model = K3Model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+    moe = model.moe_layers()
+    qb = 8 * len(moe) * cfg.moe.num_experts * (moe[0].balancer.bins + 1)
+    full = {"all_gather": 4 * n + 4 * (n - root), "reduce_scatter": 4 * n}
+    cases = {
+        (4, 1, "none"): {"all_reduce": 4 * n},
+        (4, 1, "optimizer"): {"all_reduce": 4 * n, "broadcast": 4 * n},
+        (4, 2, "optimizer"): {"all_reduce": 4 * n, "broadcast": 4 * n},
+        (4, 4, "optimizer"): {"all_reduce": 4 * n},  # one rank per replica: nothing to send
+        (4, 1, "full"): full,
+        (4, 2, "full"): {**full, "all_reduce": 2 * n},  # the halves over the replicas
+    }
+    with torch.device("meta"):
+        meta = K3Model(cfg)
+    for (data, replicate, shard), expected in cases.items():
+        layout = Topology.from_config(ParallelConfig(data=data, data_replicate=replicate,
+                                                     data_shard=shard), data, cfg)
+        got = data_parallel_bytes(meta, layout)
+        assert got == {**expected, "QB counts (int64)": qb}, (data, replicate, shard, got)
+    one = Topology.from_config(ParallelConfig(tensor=2), 2, cfg)
+    assert data_parallel_bytes(meta, one) == {}  # no data-parallel ranks
+    printed = _plan("parallel.data=4", "parallel.data_replicate=2",
+                    "parallel.data_shard=optimizer")["data_parallel_bytes"]
+    assert printed == {"all_reduce": 4 * n, "broadcast": 4 * n, "QB counts (int64)": qb}

@@ -251,6 +251,9 @@ def _gloo_worker(rank: int, init_file: str) -> None:
                 assert torch.equal(dt.full_tensor(), full), dims
             if t.dp_replicate > 1:
                 _check_hsdp(t, rank)
+            # every rank answers the roll call (the failing-rank test sees one that does not:
+            # tests/test_parallel_train.py)
+            assert t.unresponsive_ranks(timeout_s=120) == [], parallel
             t.destroy()
         dist.barrier()
     finally:

@@ -55,7 +55,7 @@ class ParallelConfig:
     stage as expert_data * expert * expert_tensor. Validated by Topology.from_config."""
 
     data: int = -1  # data-parallel ranks (replicas x shards); -1: what the world size leaves
-    data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard=full)
+    data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard optimizer|full)
     data_shard: str = "none"  # none (DDP) | optimizer (ZeRO-1) | full (FSDP2)
     tensor: int = 1
     sequence_parallel: bool = True  # with tensor > 1: norms and AttnRes mixes sharded on T
@@ -226,10 +226,12 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     if o.offload not in ("none", "cpu"):
         _fail("optim.offload", o.offload, "must be one of ['cpu', 'none']")
     if o.offload == "cpu" and (cfg.parallel.tensor > 1 or cfg.parallel.data_shard == "full"
+                               or cfg.parallel.expert > 1 or cfg.parallel.pipeline > 1
                                or cfg.device == "cuda"):
         _fail("optim.offload", o.offload,
               "cpu needs plain host parameters: parallel.tensor=1, parallel.data_shard none or "
-              "optimizer, device cpu (sharded DTensor and GPU parameters are not offloaded yet)")
+              "optimizer, parallel.expert=1, parallel.pipeline=1, device cpu (sharded DTensor "
+              "and GPU parameters, expert and pipeline layouts are not offloaded yet)")
     topo = Topology.from_config(cfg.parallel, world_size, cfg.model)
     # Sequence parallelism, and the MoE under expert x tensor parallelism, split the tokens.
     shards = topo.cp * (topo.tp if topo.sequence_parallel or topo.ep > 1 else 1)

@@ -72,9 +72,12 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = True) -> None:
+    """Leaves the default process group; `barrier`: first wait for every rank (a rank leaving
+    early can abort the others' last collectives; a failed run skips it)."""
     if dist.is_initialized():
-        dist.barrier()  # a rank leaving early can abort the others' last collectives
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -195,6 +195,7 @@ def train(cfg: TrainConfig) -> int:
     batches = iter(loader)
     nonfinite_in_a_row = 0
     exit_code = EXIT_DONE
+    failed = True
     if env.is_main:
         log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s",
                  cfg.model.name, cfg.steps, dp_size, accum, cfg.stage.micro_batch_size,
@@ -250,8 +251,27 @@ def train(cfg: TrainConfig) -> int:
         metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)
         if step == cfg.steps:
             write_marker(run_dir / "DONE", step, env)
+        failed = False
+    except Exception as err:
+        if topology.initialized:
+            name_unresponsive_ranks(topology, step, err)
+        raise
     finally:
         preempt.restore()
         topology.destroy()
-        shutdown()
+        shutdown(barrier=not failed)  # a hung rank would hold the others in the barrier
     return exit_code
+
+
+def name_unresponsive_ranks(topology: Topology, step: int, err: Exception) -> None:
+    """A failed step on one of several ranks: which ranks did not arrive (hung or dead), said on
+    every rank that can tell, before the error ends this one."""
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    missing = topology.unresponsive_ranks()
+    if missing:
+        log.error("rank %d: step %d failed (%s: %s); ranks that did not arrive within "
+                  "parallel.timeout_s=%gs: %s", topology.rank, step + 1, type(err).__name__,
+                  first, topology.timeout_s, missing)
+    else:
+        log.error("rank %d: step %d failed (%s: %s); every rank answered the roll call",
+                  topology.rank, step + 1, type(err).__name__, first)

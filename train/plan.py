@@ -11,7 +11,9 @@ The model is built on the meta device (no memory, no time), so the counts are th
 Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
 Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter
 within one HSDP replica, and activations from the tensors the modules save for backward, traced
-on the meta device (see activation_bytes).
+on the meta device (see activation_bytes). Data-parallel traffic: the bytes one rank hands to
+each collective per optimizer step (see data_parallel_bytes; benchmarks/parallel_overhead.py
+counts them).
 """
 
 from __future__ import annotations
@@ -132,6 +134,52 @@ def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_
             "total_gib": total / GiB}
 
 
+def data_parallel_bytes(model: K3Model, layout: Topology) -> dict[str, int]:
+    """Bytes one rank passes to each data-parallel collective per optimizer step (the buffer of
+    every call: all_reduce's and broadcast's tensor, all_gather's output, reduce_scatter's
+    input; fp32 parameters and gradients), for a rank holding the root parameters (embedding,
+    LM head, vision). `model`: the built (meta-device) model. With N this rank's parameters
+    and N_root those of the root unit:
+
+        none        all_reduce 4N
+        optimizer   all_reduce 4N; broadcast 4N (owners send updated parameters within a replica)
+        full        all_gather 4N + 4(N - N_root) (non-root units gather again in backward);
+                    reduce_scatter 4N; HSDP adds all_reduce 4N / (dp_shard x cp) (the shards)
+        expert      all_reduce 4 N_dense over dp x cp and 4 N_experts over expert-data ranks
+        QB counts   every MoE layer's int64 statistics ([E, bins + 1]), one all_reduce
+
+    The loss-token count, gradient norms and max logits add a few hundred bytes to all_reduce;
+    tensor-parallel traffic is not data-parallel and not counted here."""
+    data_ranks = layout.dp * layout.cp
+    if data_ranks == 1:
+        return {}
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    counts = count_parameters(model)
+    routed = counts.routed_experts
+    experts = routed / (layout.ep * layout.etp * layout.pp)
+    dense = (counts.total - routed) / (layout.tp * layout.pp)
+    root = sum(n for name, n in sizes.items() if not name.startswith("layers.")) / layout.tp
+    n = dense + experts
+    shards = layout.dp_shard * layout.cp
+    out: dict[str, float] = {}
+    if layout.ep > 1:  # dense and expert gradients each over their own ranks (no sharding)
+        out["all_reduce"] = 4 * dense + (4 * experts if layout.edp > 1 else 0)
+    elif layout.data_shard == "none":
+        out["all_reduce"] = 4 * n
+    elif layout.data_shard == "optimizer":
+        out["all_reduce"] = 4 * n
+        if shards > 1:
+            out["broadcast"] = 4 * n
+    else:
+        out["all_gather"] = 4 * n + 4 * (n - root)
+        out["reduce_scatter"] = 4 * n
+        if layout.dp_replicate > 1:
+            out["all_reduce"] = 4 * n / shards
+    out["QB counts (int64)"] = 8 * sum(moe.balancer.local_statistics().numel()
+                                       for moe in model.moe_layers() if moe.balancer is not None)
+    return {k: round(v) for k, v in out.items()}
+
+
 LONG_CONTEXT = (8192, 65536, 262144, 1048576)  # K3's context stages
 H200_BYTES = 141e9  # HBM3e of one H200 (141 GB = 131.3 GiB)
 RESERVE = 0.10  # CUDA context, NCCL buffers, allocator fragmentation
@@ -167,6 +215,7 @@ def plan(cfg, long_context: bool = False) -> dict:
                                          cfg.stage.micro_batch_size,
                                          cfg.activation_checkpointing),
         "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
+        "data_parallel_bytes": data_parallel_bytes(model, layout),
         **({"long_context": long_context_memory(cfg.model, counts, layout, cfg.optim.name,
                                                 cfg.stage.micro_batch_size,
                                                 cfg.activation_checkpointing)}
@@ -215,6 +264,9 @@ def format_plan(p: dict) -> str:
         f"{t['moonep_symm_mem']['total'] / 2**20:.1f} MiB, dynamic (balanced routing) "
         f"{t['dynamic']['total'] / 2**20:.1f} MiB; formulas with --json",
     ]
+    dp_bytes = p["data_parallel_bytes"]
+    lines.append("  data-parallel     per step and rank: " + (", ".join(
+        f"{k} {v / 2**20:.1f} MiB" for k, v in dp_bytes.items()) or "none (one data rank)"))
     for row in p.get("long_context", []):
         lines.append(f"  at {row['seq_len']:>8} tokens  {row['total_gib']:7.1f} GiB per GPU "
                      f"(activations {row['activations_gib']:.1f}): "
