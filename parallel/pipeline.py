@@ -192,6 +192,8 @@ class PipelineStep:
         self.splits, self.ids = rank_stages(layer_costs, head_cost, pp, pp_rank, virtual_stages,
                                             schedule)
         self.model = prune_to_stages(model, self.splits, self.ids)
+        # The loss's dtype on every stage (fp32, or float64 for fp64): the stages' sums add up.
+        self._loss_dtype = compute_dtype(next(self.model.parameters()).dtype)
         self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1,
                                     activations)
                         for s in self.ids]
@@ -229,7 +231,7 @@ class PipelineStep:
 
         inputs = ((torch.zeros(b, t, dtype=torch.long, device=device),) if stage == 0
                   else crossing(layers.start))
-        outputs = ((torch.empty((), dtype=compute_dtype(dtype), device=device),)  # the loss
+        outputs = ((torch.empty((), dtype=self._loss_dtype, device=device),)
                    if stage == len(self.splits) - 1 else crossing(layers.stop))
         return inputs, outputs
 
@@ -253,7 +255,7 @@ class PipelineStep:
                 m.micro_batches = []
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
-        return torch.zeros((), device=global_tokens.device)
+        return torch.zeros((), dtype=self._loss_dtype, device=global_tokens.device)
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches: list[K3Batch]) -> torch.Tensor:
@@ -264,7 +266,7 @@ class PipelineStep:
         send that its receive, posted at the same point of the walk, completes."""
         self._check(micro_batches)
         me, last = dist.get_rank(), len(self.splits) - 1
-        total = torch.zeros((), device=self._inputs[self.ids[0]][0].device)
+        total = torch.zeros((), dtype=self._loss_dtype, device=self._inputs[self.ids[0]][0].device)
         for m in self.modules:
             m.micro_batches = micro_batches
         try:
@@ -275,7 +277,7 @@ class PipelineStep:
                     if self._holder[s] == me:
                         out = self.modules[self.ids.index(s)](*inputs, mb=torch.tensor(i))
                         if s == last:
-                            total += out.float()
+                            total += out.to(self._loss_dtype)
                         elif nxt == me:
                             inputs = out
                         else:
