@@ -581,8 +581,10 @@ class _StatePass(torch.autograd.Function):
             S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
             vn = torch.baddbmm(_chunk(U, c), _chunk(W, c), S, alpha=-1,
                                out=_chunk(new_values, c))
-            torch.bmm(_chunk(q_decayed, c), S, out=_chunk(o, c)).baddbmm_(_chunk(Aqk, c), vn)
-            torch.mul(_chunk(chunk_decay, c).mT, S, out=end).baddbmm_(_chunk(k_to_end, c).mT, vn)
+            o_c = torch.bmm(_chunk(q_decayed, c), S, out=_chunk(o, c))
+            _accumulate_bmm(o_c, _chunk(Aqk, c), vn)
+            _accumulate_bmm(torch.mul(_chunk(chunk_decay, c).mT, S, out=end),
+                            _chunk(k_to_end, c).mT, vn)
         ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, states[:NC], new_values,
                               starts)
         ctx.inits_shape = None if inits is None else inits.shape
@@ -613,16 +615,22 @@ class _StatePass(torch.autograd.Function):
             torch.bmm(vn, dstate.mT, out=_chunk(dk_to_end, c))
             torch.sum(dstate * S, -1, keepdim=True, out=_chunk(dchunk_decay, c).mT)
             dvn = torch.bmm(_chunk(Aqk, c).mT, do_c, out=_chunk(dU, c))
-            dvn.baddbmm_(_chunk(k_to_end, c), dstate)
+            _accumulate_bmm(dvn, _chunk(k_to_end, c), dstate)
             torch.bmm(dvn, S.mT, out=_chunk(dW, c)).neg_()
-            dstate.mul_(_chunk(chunk_decay, c).mT).baddbmm_(_chunk(q_decayed, c).mT, do_c)
-            dstate.baddbmm_(_chunk(W, c).mT, dvn, alpha=-1)
+            _accumulate_bmm(dstate.mul_(_chunk(chunk_decay, c).mT), _chunk(q_decayed, c).mT, do_c)
+            _accumulate_bmm(dstate, _chunk(W, c).mT, dvn, alpha=-1)
             if starts is not None:  # a loaded initial state cuts the carried one off
                 if dinits is not None:
                     dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(dinits[c])
                 dstate = torch.where(starts[c], 0.0, dstate)
         dstate = dstate.view_as(start_states[0])
         return dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay, dstate, dinits, None
+
+
+def _accumulate_bmm(out, a, b, alpha=1):
+    """out += alpha a @ b in place (baddbmm's out= form: torch's FlopCounterMode counts it,
+    not baddbmm_)."""
+    return torch.baddbmm(out, a, b, alpha=alpha, out=out)
 
 
 def _chunk(x, c):
