@@ -21,10 +21,12 @@ kda_chunk (a warm-up and --repeats timed runs), one kda_recurrent pass, kda_chun
 of the chunk runs around it. Share of the matmul peak:
 around every timed run the worker times a 1024 x 1024 x 1024 fp32 matmul on its thread (best of
 2 before and 2 after); each run's FLOP rate is divided by the mean of its two neighbouring peaks
-and the median over the runs is shown. The chunk form's FLOPs are counted analytically
-(chunk_flops: every matmul and triangular solve it runs, forward and backward, masked entries
-included) and checked against torch's FlopCounterMode, which counts the matmuls but not the
-triangular solves.
+and the median over the runs is shown, once in wall-clock time and once in the thread's CPU
+time (both the op and the probe): on a loaded machine the wall clock also counts the time the
+thread waits for a core, the CPU time only what it ran. The chunk form's FLOPs are counted
+analytically (chunk_flops: every matmul and triangular solve it runs, forward and backward,
+masked entries included) and checked against torch's FlopCounterMode, which counts the matmuls
+but not the triangular solves.
 """
 
 from __future__ import annotations
@@ -123,27 +125,31 @@ def counted_flops(T: int, args) -> int:
     return counter.get_total_flops()
 
 
-def matmul_peak_gflops(n: int = 1024, tries: int = 5) -> float:
+def matmul_peak_gflops(n: int = 1024, tries: int = 5) -> tuple[float, float]:
+    """The best n^3 fp32 matmul rate over `tries`, in wall-clock and in thread CPU time."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    best = math.inf
+    best = best_cpu = math.inf
     for _ in range(tries):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         a @ b
         best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best / 1e9
+        best_cpu = min(best_cpu, time.thread_time() - start_cpu)
+    return 2 * n ** 3 / best / 1e9, 2 * n ** 3 / best_cpu / 1e9
 
 
-def timed_runs(step, repeats: int) -> list[tuple[float, float]]:
-    """(seconds, mean matmul peak just before and after) for each of `repeats` runs."""
+def timed_runs(step, repeats: int) -> list[tuple[float, float, float, float]]:
+    """(seconds, mean matmul peak just before and after, CPU seconds, the same in CPU time) for
+    each of `repeats` runs."""
     runs = []
     peak_before = matmul_peak_gflops(tries=2)
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         step()
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - start_cpu
         peak_after = matmul_peak_gflops(tries=2)
-        runs.append((seconds, (peak_before + peak_after) / 2))
+        wall_peak, cpu_peak = ((x + y) / 2 for x, y in zip(peak_before, peak_after))
+        runs.append((seconds, wall_peak, cpu_seconds, cpu_peak))
         peak_before = peak_after
     return runs
 
@@ -159,7 +165,7 @@ def measure(method: str, T: int, args) -> dict:
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb
     repeats = args.recurrent_repeats if method == "kda_recurrent" else args.repeats
     runs = timed_runs(step, repeats)
-    result = {"time_s": statistics.median(s for s, _ in runs) if runs else first_s,
+    result = {"time_s": statistics.median(r[0] for r in runs) if runs else first_s,
               "timed_runs": max(len(runs), 1), "peak_mib": peak_kb / 1024, "runs": runs}
     return result
 
@@ -170,11 +176,11 @@ def measure_speedup(T: int, args) -> dict:
     chunk_step = make_step("kda_chunk", T, args)
     recurrent_step = make_step("kda_recurrent", T, args)
     chunk_step()
-    chunk_s = [s for s, _ in timed_runs(chunk_step, args.repeats)]
+    chunk_s = [r[0] for r in timed_runs(chunk_step, args.repeats)]
     start = time.perf_counter()
     recurrent_step()
     recurrent_s = time.perf_counter() - start
-    chunk_s += [s for s, _ in timed_runs(chunk_step, args.repeats)]
+    chunk_s += [r[0] for r in timed_runs(chunk_step, args.repeats)]
     return {"recurrent_s": recurrent_s, "chunk_s": statistics.median(chunk_s)}
 
 
@@ -204,7 +210,7 @@ def print_table(results: dict, args) -> None:
           f"MLA core: H={args.mla_heads} Dqk={args.mla_qk_dim} Dv={args.mla_v_dim} (sdpa)")
     print("forward+backward, B=1, one document of T tokens given as cu_seqlens")
     header = (f"{'T':>7} {'method':<16} {'time [s]':>9} {'peak [MiB]':>11} {'t/kda_chunk':>12} "
-              f"{'mem/kda_chunk':>14} {'GFLOP/s':>8} {'mm peak':>8} {'of peak':>8}")
+              f"{'mem/kda_chunk':>14} {'GFLOP/s':>8} {'mm peak':>8} {'of peak':>8} {'(CPU t)':>8}")
     print(header)
     print("-" * len(header))
     for T in args.T:
@@ -217,14 +223,17 @@ def print_table(results: dict, args) -> None:
                 continue
             t_ratio = f"{r['time_s'] / base['time_s']:.2f}x"
             m_ratio = f"{r['peak_mib'] / base['peak_mib']:.2f}x" if base["peak_mib"] > 0 else "-"
-            rate = share = "-"
-            peak = f"{statistics.median(p for _, p in r['runs']):.1f}" if r["runs"] else "-"
+            rate = share = cpu_share = "-"
+            peak = f"{statistics.median(run[1] for run in r['runs']):.1f}" if r["runs"] else "-"
             if method == "kda_chunk":
                 flops = chunk_flops(T, H, D, D)
                 rate = f"{flops / r['time_s'] / 1e9:.1f}"
-                share = f"{statistics.median(flops / s / 1e9 / p for s, p in r['runs']):.0%}"
+                runs = r["runs"]  # (wall s, wall peak, CPU s, CPU peak) of each timed run
+                share, cpu_share = (
+                    f"{statistics.median(flops / run[i] / 1e9 / run[i + 1] for run in runs):.0%}"
+                    for i in (0, 2))
             print(f"{T:>7} {method:<16} {r['time_s']:>9.3f} {r['peak_mib']:>11.1f} "
-                  f"{t_ratio:>12} {m_ratio:>14} {rate:>8} {peak:>8} {share:>8}")
+                  f"{t_ratio:>12} {m_ratio:>14} {rate:>8} {peak:>8} {share:>8} {cpu_share:>8}")
     print("\nkda_chunk speed-up over kda_recurrent, side by side in one worker (one recurrent "
           "pass / the median of the kda_chunk runs before and after it):")
     for T in args.T:

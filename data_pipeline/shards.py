@@ -1,7 +1,8 @@
 """Shards: one per (source, task), files sharing the prefix shards/<source>/<task>:
 
-    .bin / .idx      Megatron indexed dataset (megatron-core's builder); one sequence (and one
-                     Megatron document) per kept document, <eod> included
+    .bin / .idx      Megatron indexed dataset (written by megatron-core's builder, read by
+                     IndexedTokens); one sequence (and one Megatron document) per kept document,
+                     <eod> included
     .docs.jsonl      per sequence: id, origin, modality, tokens and, for documents read from
                      an input record, its file, line and record_id (as in the ledger)
     .tar             WebDataset shard of the pixels: <key>.png (image) or <key>.<frame>.png
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import io
 import json
-import logging
+import struct
 import tarfile
 from pathlib import Path
 
@@ -113,6 +114,45 @@ class ShardWriter:
         return self.counts
 
 
+class IndexedTokens:
+    """The sequences of a Megatron indexed dataset (.idx version 1 and .bin), read through two
+    numpy memory maps. megatron-core's IndexedDataset reads the same files (tests compare the
+    two), but importing it imports the package's whole model-parallel stack, about 150 MiB
+    resident in every training process that reads data."""
+
+    _MAGIC = b"MMIDIDX\x00\x00"
+    _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
+    _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+               7: np.float32, 8: np.uint16}
+
+    def __init__(self, prefix: str | Path):
+        index_path = f"{prefix}.idx"
+        with open(index_path, "rb") as f:
+            magic, version, code, count, _ = self._HEADER.unpack(f.read(self._HEADER.size))
+        if magic != self._MAGIC or version != 1 or code not in self._DTYPES:
+            raise ValueError(f"{index_path} is not a Megatron indexed dataset (version 1): "
+                             f"header {magic!r}, version {version}, dtype code {code}")
+        index = np.memmap(index_path, mode="r", dtype=np.uint8)
+        self.sequence_lengths = np.frombuffer(index, np.int32, count, self._HEADER.size)
+        self._pointers = np.frombuffer(index, np.int64, count,
+                                       self._HEADER.size + self.sequence_lengths.nbytes)
+        dtype = np.dtype(self._DTYPES[code])
+        bin_path = f"{prefix}.bin"
+        self._tokens = (np.memmap(bin_path, mode="r", dtype=dtype)
+                        if Path(bin_path).stat().st_size else np.empty(0, dtype))
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def get(self, seq: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens offset .. offset + length of sequence seq (to its end without length): a view
+        of the memory map."""
+        if length is None:
+            length = int(self.sequence_lengths[seq]) - offset
+        start = int(self._pointers[seq]) // self._tokens.itemsize + offset
+        return self._tokens[start:start + length]
+
+
 class ShardReader:
     """Random access to one shard: token slices, vision items and their decoded frames. Opens
     files lazily so that it can be pickled into loader worker processes."""
@@ -130,11 +170,7 @@ class ShardReader:
     @property
     def dataset(self):
         if self._dataset is None:
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-            # it logs five INFO lines per file opened; a loader opens one file per shard
-            logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
-            self._dataset = IndexedDataset(self.prefix, mmap=True)
+            self._dataset = IndexedTokens(self.prefix)
         return self._dataset
 
     @property

@@ -22,6 +22,7 @@ from data_pipeline.dedup import jaccard, word_shingles
 from data_pipeline.packing import row_offsets
 from data_pipeline.pipeline import ensure_prepared, run_pipeline
 from data_pipeline.records import read_jsonl, read_ledger
+from data_pipeline.shards import IndexedTokens
 from data_pipeline.tokenizer import EOD_ID, IMAGE_ID, VIDEO_ID, load_tokenizer
 from model.config import VisionConfig
 from model.vision.layout import vision_token_count
@@ -209,6 +210,26 @@ def test_packed_shards_read_back_equal_to_kept_documents(sample_run):
                 assert offset == 0 and length == len(ds[seq])
         assert sorted(rebuilt) == list(range(len(ds)))
         assert all(rebuilt[s] == ds[s].tolist() for s in rebuilt)
+
+
+def test_indexed_tokens_read_what_megatron_reads(sample_run):
+    """The loader's reader of the .bin/.idx files against megatron-core's IndexedDataset: every
+    shard of the run, every sequence, whole and in slices."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefixes = sorted({prefix for prefix, _, _ in sample_run["kept"].values()})
+    prefixes += [p.with_suffix("") for p in (sample_run["out"] / "shards").rglob("*.idx")]
+    assert len(prefixes) > 2
+    for prefix in sorted(set(map(str, prefixes))):
+        ours, theirs = IndexedTokens(prefix), IndexedDataset(prefix)
+        assert len(ours) == len(theirs) and ours.sequence_lengths.tolist() == \
+            theirs.sequence_lengths.tolist(), prefix
+        for seq in range(len(theirs)):
+            assert ours.get(seq).tolist() == theirs[seq].tolist(), (prefix, seq)
+            n = int(theirs.sequence_lengths[seq])
+            for offset, length in ((1, None), (n // 3, n // 2), (n - 1, 1)):
+                assert ours.get(seq, offset, length).tolist() == \
+                    theirs.get(seq, offset, length).tolist(), (prefix, seq, offset, length)
 
 
 def test_literal_special_token_text_is_not_a_placeholder(sample_run):

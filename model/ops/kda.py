@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import segment_ids
-from model.dtypes import upcast
+from model.dtypes import compute_dtype, upcast
 
 SUB_TILE = 16
 SAFE_LOWER_BOUND = -5.0
@@ -225,28 +225,26 @@ def _docs_layout(cu_seqlens: torch.Tensor, T: int, chunk: int) -> _ChunkLayout:
 
 
 def _to_chunks(x: torch.Tensor, layout: _ChunkLayout, chunk: int) -> torch.Tensor:
-    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32, zeros where no token lands. A view
-    where whole chunks cover T (matmuls take the strided rows), else one copy: every fresh
-    tensor of this size costs page faults on CPU."""
+    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32 or wider, zeros where no token lands,
+    stored chunk-major (a permuted view of [num_chunks, B, H, C, ...]): one copy here, and then
+    the state pass reads each chunk and the intra-chunk blocks read whole chunks without
+    copies."""
     B, T, H, *rest = x.shape
-    if layout.token_index is None and T == layout.num_chunks * chunk:
-        return upcast(x).unflatten(1, (layout.num_chunks, chunk)).movedim(3, 1)
-    x = upcast(x).transpose(1, 2)
-    if layout.token_index is None:
-        padded = x.new_empty(B, H, layout.num_chunks * chunk, *rest)
-        padded[:, :, T:].zero_()
-        padded[:, :, :T] = x
-    else:
-        padded = x.new_zeros(B, H, layout.num_chunks * chunk, *rest)
-        padded = padded.index_copy(2, layout.token_index, x)
-    return padded.unflatten(2, (layout.num_chunks, chunk))
+    padded_T = layout.num_chunks * chunk
+    if layout.token_index is not None:
+        x = x.new_zeros(B, padded_T, H, *rest).index_copy(1, layout.token_index, x)
+    elif T < padded_T:
+        x = torch.cat([x, x.new_zeros(B, padded_T - T, H, *rest)], dim=1)
+    trailing = tuple(range(4, x.dim() + 1))
+    x = x.unflatten(1, (layout.num_chunks, chunk)).permute(1, 0, 3, 2, *trailing)
+    x = x.to(compute_dtype(x.dtype), memory_format=torch.contiguous_format)
+    return x.permute(1, 2, 0, 3, *trailing)
 
 
 def _from_chunks(x: torch.Tensor, layout: _ChunkLayout, T: int) -> torch.Tensor:
-    """[B, H, num_chunks, C, V] -> [B, T, H, V]."""
-    x = x.flatten(2, 3)
-    x = x[:, :, :T] if layout.token_index is None else x.index_select(2, layout.token_index)
-    return x.transpose(1, 2)
+    """[B, H, num_chunks, C, V] -> [B, T, H, V] (one copy: the chunks are stored chunk-major)."""
+    x = x.permute(0, 2, 3, 1, 4).flatten(1, 2)
+    return x[:, :T] if layout.token_index is None else x.index_select(1, layout.token_index)
 
 
 def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -325,7 +323,7 @@ def _intra_chunk(q, k, v, g, beta, masks: _SegmentMasks | None = None):
         W = torch.where(masks.continues, W, 0.0)
         q_decayed = torch.where(masks.continues, q_decayed, 0.0)
         k_to_end = torch.where(masks.in_last, k_to_end, 0.0)
-        chunk_decay = torch.where(masks.continues[:, -1:], chunk_decay, 0.0)
+        chunk_decay = torch.where(masks.continues[..., -1:, :], chunk_decay, 0.0)
     return Aqk, U, W, q_decayed, k_to_end, chunk_decay
 
 
@@ -388,23 +386,29 @@ class _BoundedIntraChunk(torch.autograd.Function):
 
 
 def _by_blocks(fn, tensors, more, scale, lower_bound, masks):
-    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together."""
+    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together. fn
+    sees each block chunk-major, [n, B, H, C, ...] (masks [n, 1, 1, C, ...]): contiguous for
+    chunk-major inputs, so elementwise results are contiguous and matmuls take the rows as
+    they are; the results are stored chunk-major as well."""
     B, H, NC, C, K = tensors[0].shape
     step = max(1, _BLOCK_ELEMENTS // (B * H * C * K))
     results = None
     for start in range(0, NC, step):
         block = slice(start, min(start + step, NC))
         block_masks = None if masks is None else _SegmentMasks(
-            masks.same[block], masks.continues[block], masks.in_last[block])
-        # Contiguous blocks: elementwise results keep their inputs' strides, and matmuls copy
-        # operands whose rows are not contiguous.
-        parts = fn(*(x[:, :, block].contiguous() for x in (*tensors, *more)), scale, lower_bound,
-                   block_masks)
+            *(m[block, None, None] for m in (masks.same, masks.continues, masks.in_last)))
+        parts = fn(*(_chunk_major(x[:, :, block]) for x in (*tensors, *more)), scale,
+                   lower_bound, block_masks)
         if results is None:
-            results = [x.new_empty(B, H, NC, *x.shape[3:]) for x in parts]
+            results = [x.new_empty(NC, *x.shape[1:]) for x in parts]
         for result, part in zip(results, parts):
-            result[:, :, block] = part
-    return results
+            result[block] = part
+    return [x.permute(1, 2, 0, *range(3, x.dim())) for x in results]
+
+
+def _chunk_major(x):
+    """[B, H, n, ...] -> [n, B, H, ...] contiguous (a view where x is stored chunk-major)."""
+    return x.permute(2, 0, 1, *range(3, x.dim())).contiguous()
 
 
 def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
@@ -431,7 +435,7 @@ def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
         W.mul_(masks.continues)
         q_decayed.mul_(masks.continues)
         k_to_end.mul_(masks.in_last)
-        chunk_decay.mul_(masks.continues[:, -1:])
+        chunk_decay.mul_(masks.continues[..., -1:, :])
     return Aqk, U, W, q_decayed, k_to_end, chunk_decay, Akk, inverse
 
 
@@ -442,7 +446,7 @@ def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, 
         dW = dW * masks.continues
         dq_decayed = dq_decayed * masks.continues
         dk_to_end = dk_to_end * masks.in_last
-        dchunk_decay = dchunk_decay * masks.continues[:, -1:]
+        dchunk_decay = dchunk_decay * masks.continues[..., -1:, :]
     G = g.clamp(min=lower_bound).cumsum_(-2)
     G_exp = _decay(G.clone())
     G_last = G[..., -1:, :]
@@ -558,30 +562,37 @@ class _StatePass(torch.autograd.Function):
     """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c],
     zeros without inits), Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
     S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
-    in cache; results go to preallocated buffers (no per-chunk autograd graph), and the backward
-    runs the loop in reverse from the saved S_c and Vn_c."""
+    in cache and writes (or accumulates) into preallocated buffers (no per-chunk autograd graph,
+    no copies: chunk-major inputs make each chunk's slice contiguous), and the backward runs the
+    loop in reverse from the saved S_c and Vn_c."""
 
     @staticmethod
     def forward(ctx, Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
         B, H, NC, C, V = U.shape
         K = W.shape[-1]
-        start_states = U.new_empty(B, H, NC, K, V)
+        # states[c] enters chunk c (chunk-major, like the inputs); states[NC] leaves the last.
+        states = U.new_empty(NC + 1, B, H, K, V)
+        states[0] = state
         new_values = torch.empty_like(U)
         o = torch.empty_like(U)
-        end_states = U.new_empty(B, H, NC, K, V) if starts is not None else None
+        end_states = U.new_empty(NC, B, H, K, V) if starts is not None else states[1:]
+        zeros = U.new_zeros(())
         for c in range(NC):
-            if starts is not None:
-                state = torch.where(starts[c], 0.0 if inits is None else inits[c], state)
-            start_states[:, :, c] = state
-            vn = torch.sub(U[:, :, c], W[:, :, c] @ state, out=new_values[:, :, c])
-            o[:, :, c] = torch.matmul(q_decayed[:, :, c], state).add_(Aqk[:, :, c] @ vn)
-            state = (chunk_decay[:, :, c].mT * state).add_(k_to_end[:, :, c].mT @ vn)
-            if starts is not None:
-                end_states[:, :, c] = state
-        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values,
+            if starts is not None:  # the state carried in: end_states[c - 1], or the one given
+                carried = end_states[c - 1] if c else states[0]
+                torch.where(starts[c], zeros if inits is None else inits[c], carried,
+                            out=states[c])
+            S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
+            vn = torch.baddbmm(_chunk(U, c), _chunk(W, c), S, alpha=-1,
+                               out=_chunk(new_values, c))
+            o_c = torch.bmm(_chunk(q_decayed, c), S, out=_chunk(o, c))
+            _accumulate_bmm(o_c, _chunk(Aqk, c), vn)
+            _accumulate_bmm(torch.mul(_chunk(chunk_decay, c).mT, S, out=end),
+                            _chunk(k_to_end, c).mT, vn)
+        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, states[:NC], new_values,
                               starts)
         ctx.inits_shape = None if inits is None else inits.shape
-        return o, state if starts is None else end_states
+        return o, states[NC].clone() if starts is None else end_states.permute(1, 2, 0, 3, 4)
 
     @staticmethod
     def backward(ctx, do, dend_states):
@@ -594,28 +605,41 @@ class _StatePass(torch.autograd.Function):
         dinits = None
         if ctx.needs_input_grad[7]:
             dinits = start_states.new_zeros(ctx.inits_shape)
+        # The gradient of the state after chunk c, [B * H, K, V].
         if starts is None:
-            dstate = dend_states.clone()  # the gradient of the state after chunk c
+            dstate = dend_states.flatten(0, 1).clone()
         else:
-            dstate = torch.zeros_like(dend_states[:, :, 0])
+            dstate = torch.zeros_like(dend_states[:, :, 0]).flatten(0, 1)
         for c in reversed(range(NC)):
             if starts is not None:
-                dstate += dend_states[:, :, c]
-            state, vn, do_c = start_states[:, :, c], new_values[:, :, c], do[:, :, c]
-            dAqk[:, :, c] = do_c @ vn.mT
-            dq_decayed[:, :, c] = do_c @ state.mT
-            dk_to_end[:, :, c] = vn @ dstate.mT
-            dchunk_decay[:, :, c] = (dstate * state).sum(-1).unsqueeze(-2)
-            dvn = torch.matmul(Aqk[:, :, c].mT, do_c).add_(k_to_end[:, :, c] @ dstate)
-            dU[:, :, c] = dvn
-            dW[:, :, c] = (dvn @ state.mT).neg_()
-            dstate = (chunk_decay[:, :, c].mT * dstate).add_(q_decayed[:, :, c].mT @ do_c)
-            dstate.sub_(W[:, :, c].mT @ dvn)
+                dstate += _chunk(dend_states, c)
+            S, vn, do_c = start_states[c].flatten(0, 1), _chunk(new_values, c), _chunk(do, c)
+            torch.bmm(do_c, vn.mT, out=_chunk(dAqk, c))
+            torch.bmm(do_c, S.mT, out=_chunk(dq_decayed, c))
+            torch.bmm(vn, dstate.mT, out=_chunk(dk_to_end, c))
+            torch.sum(dstate * S, -1, keepdim=True, out=_chunk(dchunk_decay, c).mT)
+            dvn = torch.bmm(_chunk(Aqk, c).mT, do_c, out=_chunk(dU, c))
+            _accumulate_bmm(dvn, _chunk(k_to_end, c), dstate)
+            torch.bmm(dvn, S.mT, out=_chunk(dW, c)).neg_()
+            _accumulate_bmm(dstate.mul_(_chunk(chunk_decay, c).mT), _chunk(q_decayed, c).mT, do_c)
+            _accumulate_bmm(dstate, _chunk(W, c).mT, dvn, alpha=-1)
             if starts is not None:  # a loaded initial state cuts the carried one off
                 if dinits is not None:
-                    dinits[c] = torch.where(starts[c], dstate, 0.0)
+                    dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(dinits[c])
                 dstate = torch.where(starts[c], 0.0, dstate)
+        dstate = dstate.view_as(start_states[0])
         return dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay, dstate, dinits, None
+
+
+def _accumulate_bmm(out, a, b, alpha=1):
+    """out += alpha a @ b in place (baddbmm's out= form: torch's FlopCounterMode counts it,
+    not baddbmm_)."""
+    return torch.baddbmm(out, a, b, alpha=alpha, out=out)
+
+
+def _chunk(x, c):
+    """Chunk c of x [B, H, NC, ...] as [B * H, ...] (a view: contiguous for chunk-major x)."""
+    return x[:, :, c].flatten(0, 1)
 
 
 def _doc_final_states(chunk_end_states, initial_state, layout):
