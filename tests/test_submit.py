@@ -139,7 +139,6 @@ def test_submitit_sweep_completes_and_reports_a_failing_point(tmp_path, slurm_cl
            "hydra.launcher.signal_delay_s=10", f"hydra.sweep.dir={sweep}",
            f"run_dir={sweep}/" + "${hydra:job.num}", f"data.output_dir={sample_data_dir}",
            "device=cpu", *FAST, "logging.wandb=false", "steps=2", "optim.lr=1e-3,3e-3"]
-    start = time.time()
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -149,9 +148,8 @@ def test_submitit_sweep_completes_and_reports_a_failing_point(tmp_path, slurm_cl
     failing = tmp_path / "failing"
     cmd_fail = [c.replace(str(sweep), str(failing)) for c in cmd]
     cmd_fail[-1] = "optim.lr=1e-3,-1"  # the second point fails its config check in the job
-    start = time.time()
+    # the subprocess timeout is the guard against a failing point hanging the sweep
     out = subprocess.run(cmd_fail, cwd=REPO, env=train_env(), capture_output=True, text=True,
-                         timeout=900)
+                         timeout=600)
     assert out.returncode != 0
     assert "optim.lr" in out.stdout + out.stderr
-    assert time.time() - start < 600
