@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -145,17 +144,12 @@ class ParallelPlan:
         if not self.data_parallel:
             reduce_partial_gradients(self.model)
         fill_missing_gradients(self.model)
-        if self.plain_data_parallel:
+        if self.plain_data_parallel or self.pipeline is not None:  # local parts under TP
             allreduce_gradients([p for p in self.model.parameters() if p.requires_grad],
                                 self._group("dp_cp"))
         elif self.expert_parallel and not self.data_parallel:
             allreduce_expert_parallel_gradients(self.model, self._group("dp_cp"),
                                                 self._group("edp"))
-        elif self.pipeline is not None:  # the stage's gradients (local parts under TP)
-            with torch.no_grad():
-                grads = [SimpleNamespace(grad=g.to_local() if isinstance(g, DTensor) else g)
-                         for g in (p.grad for p in self.model.parameters()) if g is not None]
-            allreduce_gradients(grads, self._group("dp_cp"))
 
     @property
     def sharded_state(self) -> ExpertShardedState | None:
