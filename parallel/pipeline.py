@@ -25,6 +25,7 @@ order; the boundary tensors are the activations' local parts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -118,9 +119,11 @@ class StageModule(nn.Module):
     tensor-parallel group."""
 
     def __init__(self, model: K3Model, layers: range, first: bool, last: bool,
+                 boundary_dtype: torch.dtype, loss_dtype: torch.dtype,
                  activations: tuple[DeviceMesh, Placement] | None = None):
         super().__init__()
         self.first, self.last = first, last
+        self.boundary_dtype, self.loss_dtype = boundary_dtype, loss_dtype
         self.activations = activations
         self.block_size = model.cfg.attnres_block_size
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
@@ -129,9 +132,13 @@ class StageModule(nn.Module):
         self.head = model.head if last else None
         self._model = (model,)  # not a submodule: its parameters are the union of the stages'
         self.micro_batches: list[K3Batch] = []
+        self.autocast = contextlib.nullcontext  # the forward's precision region, set per step
 
     def forward(self, *inputs: torch.Tensor, mb: torch.Tensor):
-        batch = self.micro_batches[int(mb)]  # a CPU index tensor, chunked by the schedule
+        with self.autocast():
+            return self._forward(inputs, self.micro_batches[int(mb)])  # mb: a CPU index tensor
+
+    def _forward(self, inputs: tuple[torch.Tensor, ...], batch: K3Batch):
         if self.first:
             state = BlockState(self._model[0].embed_inputs(batch), self.block_size)
         else:
@@ -140,8 +147,10 @@ class StageModule(nn.Module):
             state.blocks = list(inputs[1:])
         self._model[0].run_layers(state, batch, list(self.layers.values()))
         if self.last:
-            return _local(self.head(state.sources(), batch.labels)[0])
-        return tuple(_local(x) for x in (state.partial, *state.blocks))
+            return _local(self.head(state.sources(), batch.labels)[0]).to(self.loss_dtype)
+        # Under autocast some come out in bf16: cast (losslessly) to the boundary's dtype, since
+        # the bytes land in receive buffers declared in it.
+        return tuple(_local(x).to(self.boundary_dtype) for x in (state.partial, *state.blocks))
 
     def _wrap(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations is None:
@@ -192,10 +201,12 @@ class PipelineStep:
         self.splits, self.ids = rank_stages(layer_costs, head_cost, pp, pp_rank, virtual_stages,
                                             schedule)
         self.model = prune_to_stages(model, self.splits, self.ids)
-        # The loss's dtype on every stage (fp32, or float64 for fp64): the stages' sums add up.
-        self._loss_dtype = compute_dtype(next(self.model.parameters()).dtype)
+        # The boundary tensors cross in the parameters' dtype (fp32 masters, float64 for fp64);
+        # the loss in its compute dtype on every stage, so that the stages' sums add up.
+        self._boundary_dtype = next(self.model.parameters()).dtype
+        self._loss_dtype = compute_dtype(self._boundary_dtype)
         self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1,
-                                    activations)
+                                    self._boundary_dtype, self._loss_dtype, activations)
                         for s in self.ids]
         # Sequence parallelism: a boundary tensor holds this rank's part of the sequence.
         self._seq_shards = (activations[0].size() if activations is not None
@@ -221,7 +232,7 @@ class PipelineStep:
     def _boundary(self, stage: int, micro_batch: tuple[int, int], device: torch.device):
         """(inputs, outputs) of a stage as tensors of the shapes and dtypes that cross."""
         cfg, (b, t) = self.model.cfg, micro_batch
-        dtype = next(self.model.parameters()).dtype  # the partial sum and blocks: fp32 masters
+        dtype = self._boundary_dtype
         layers = self.splits[stage]
 
         def crossing(first_layer: int) -> tuple[torch.Tensor, ...]:
@@ -238,11 +249,14 @@ class PipelineStep:
     def _loss(self, loss_sum: torch.Tensor, _target) -> torch.Tensor:
         return loss_sum / self._global_tokens
 
-    def step(self, micro_batches: list[K3Batch], global_tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, micro_batches: list[K3Batch], global_tokens: torch.Tensor,
+             autocast=contextlib.nullcontext) -> torch.Tensor:
+        """`autocast`: the precision region of the stage forwards (the schedule runs the
+        backwards too, which must stay outside it, as in the loop without a pipeline)."""
         self._check(micro_batches)
         self._global_tokens = global_tokens.reshape(()).clamp_min(1.0)
         for m in self.modules:
-            m.micro_batches = micro_batches
+            m.micro_batches, m.autocast = micro_batches, autocast
         index = torch.arange(len(micro_batches)).view(-1, 1)
         args = (torch.cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
         losses: list[torch.Tensor] = []
@@ -252,7 +266,7 @@ class PipelineStep:
                                losses=losses if self.has_last else None)
         finally:
             for m in self.modules:
-                m.micro_batches = []
+                m.micro_batches, m.autocast = [], contextlib.nullcontext
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), dtype=self._loss_dtype, device=global_tokens.device)

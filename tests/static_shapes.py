@@ -8,6 +8,10 @@ routing, two document layouts with the same number of documents).
 The recorder also keeps the peak of the bytes held by the storages the region's ops create and
 that are still referenced (activations, autograd's saved tensors, gradients, communication
 buffers): deterministic on any device, so two routings' peak memory can be compared exactly.
+A collective's tensors are also referenced by the backend's work object, which gloo's worker
+thread releases after the wait has already returned, at a moment the main thread cannot see;
+so the recorder hands each collective private copies of its inputs and counts its result from
+the wait on, as a copy the program alone holds (what it counts is what the program holds).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 # Ops that read a device value on the host or whose output size depends on the data.
 SYNCING_OPS = {
@@ -30,6 +34,11 @@ SYNCING_OPS = {
     "aten.unique_dim",
     "aten.item",
 }
+
+
+# Functional-collective ops that take the collective's pending result (keyed by its storage in
+# the work registry): they get the tensor itself, never a copy.
+_HANDLE_OPS = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
 def _shapes(out) -> tuple:
@@ -88,11 +97,19 @@ class OpRecorder(TorchDispatchMode):
         if (name in SYNCING_OPS or _bool_index(func, args)
                 or _unbounded_repeat_interleave(func, kwargs)):
             self.violations.append(str(func))
+        op = func.__name__.split(".")[0]
+        collective = func.namespace == "_c10d_functional"
+        if collective and op not in _HANDLE_OPS:
+            args, kwargs = tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
         out = func(*args, **kwargs)
         self.trace.append((str(func), _shapes(out)))
-        self._account(args, kwargs, out)
-        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
-            self.collectives.append((func.__name__.split(".")[0], out.nbytes))
+        if not collective:
+            self._account(args, kwargs, out)
+        elif op == "wait_tensor":
+            out = out.clone()
+            self._account((), {}, out)
+        if collective and isinstance(out, torch.Tensor):
+            self.collectives.append((op, out.nbytes))
         return out
 
 

@@ -81,8 +81,9 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
     local_tokens = sum(mb.num_loss_tokens for mb in micro_batches)
     global_tokens = parallel.sum_loss_tokens(torch.tensor([float(local_tokens)], device=device))
     if parallel.pipeline is not None:  # the schedule runs every micro-batch on every stage
-        with parallel.loss_context(), precision.autocast():
-            loss = parallel.pipeline.step([mb.to(device) for mb in micro_batches], global_tokens)
+        with parallel.loss_context():
+            loss = parallel.pipeline.step([mb.to(device) for mb in micro_batches], global_tokens,
+                                          precision.autocast)
         return parallel.sum_loss_tokens(parallel.sum_over_stages(loss))
     loss_sum = torch.zeros((), device=device)
     for mb in micro_batches:

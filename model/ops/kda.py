@@ -35,6 +35,7 @@ The state pass (both forms) is one too: it saves the state entering each chunk a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -121,8 +122,17 @@ def kda_chunk(
             # Builds the varlen chunk list on the device with a fixed shape (no host sync).
             use_graph=cu_seqlens is not None,
         )
-    return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
-                            cu_seqlens, chunk_size, safe_bound)
+    # An fp32 island whatever the autocast region around it: the state pass writes with out=,
+    # which autocast does not cast, so its operands must not come out of autocast's matmuls.
+    with _no_autocast(q.device.type):
+        return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                cu_seqlens, chunk_size, safe_bound)
+
+
+def _no_autocast(device_type: str):
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _safe_bound(lower_bound: float | None) -> float | None:
