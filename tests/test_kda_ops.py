@@ -337,13 +337,18 @@ def test_dtypes_and_optional_final_state(lower_bound):
 @both_forms
 def test_bf16_autocast_leaves_the_fp32_island_alone(lower_bound):
     # Autocast would run the intra-chunk matmuls in bf16; the state pass's out= matmuls are not
-    # autocast and would then get mixed dtypes. Inside autocast the op computes as without it.
+    # autocast and would then get mixed dtypes. A forward inside autocast computes as without
+    # it, so its backward (outside autocast, as the training loop runs it) does too.
     inputs = make_inputs(B=1, T=100, num_states=1)
     cotangents = {"o": torch.randn(1, 100, H, V), "state": torch.randn(1, H, K, V)}
     chunk = functools.partial(kda_chunk, lower_bound=lower_bound)
     plain = run(chunk, inputs, cotangents)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = run(chunk, inputs, cotangents)
+
+    def forward_in_autocast(**kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return chunk(**kwargs)
+
+    autocast = run(forward_in_autocast, inputs, cotangents)
     for name, value in plain.items():
         assert autocast[name].dtype == value.dtype == torch.float32, name
         torch.testing.assert_close(autocast[name], value, rtol=0, atol=0, msg=name)

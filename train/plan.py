@@ -75,15 +75,23 @@ def saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layer
     return embedding + layers + head, max(per_layer)
 
 
+_PROBE_TRACES: dict[tuple, list[tuple[int, int]]] = {}  # K3Config is unhashable: keyed by its repr
+
+
 def fitted_saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layers: int,
                                checkpointing: bool, probes=(1024, 2048, 4096)) -> tuple[int, int]:
     """`saved_after_forward` at any length from traces at three short ones: every saved
     tensor's size is a polynomial of degree <= 2 in the tokens (linear for projections, chunk
     states and the blockwise attention's statistics; quadratic only for a dense [T, T] mask or
     score matrix, if the model saves one), so the quadratic through three points is exact. The
-    trace itself runs the layers' Python per chunk and would take minutes at 64K tokens."""
-    points = [saved_after_forward(cfg, t, micro_batch, num_layers, checkpointing)
-              for t in probes]
+    trace itself runs the layers' Python per chunk and would take minutes at 64K tokens. The
+    probe traces do not depend on `seq_len`: each configuration traces them once (every context
+    stage of `--long-context` reads the same three)."""
+    key = (repr(cfg), micro_batch, num_layers, checkpointing, tuple(probes))
+    if key not in _PROBE_TRACES:
+        _PROBE_TRACES[key] = [saved_after_forward(cfg, t, micro_batch, num_layers, checkpointing)
+                              for t in probes]
+    points = _PROBE_TRACES[key]
 
     def at(values: list[int]) -> int:  # Lagrange interpolation through the probes
         total = 0.0
