@@ -27,8 +27,9 @@ With a gate bounded below by lower_bound in [-5, 0) (K3's gate), a 16-token sub-
 most exp(16 lower_bound) >= exp(-80), so every score factorises with the reference R_a = Gc at
 row 7 of row tile a: x_i exp(Gc_i - R_a) (within exp(+-40)) times k_j exp(R_a - Gc_j) (at most
 exp(40) up to the end of tile a, <= 1 before it, where it is floored at exp(-80): such a term
-stays below exp(-45)). Each row tile is then one dense matmul against all keys of the chunk, no
-[t, t, K] pairwise tensor. That form is a custom autograd function over blocks of chunks that
+stays below exp(-45)). Each row tile is then one dense matmul against the keys up to its end
+(the later ones are masked: neither their factors nor their scores are computed), no [t, t, K]
+pairwise tensor. That form is a custom autograd function over blocks of chunks that
 keeps only its inputs, Akk and the WY inverse, and recomputes the factors in its backward.
 The state pass (both forms) is one too: it saves the state entering each chunk and Vn.
 """
@@ -424,13 +425,20 @@ def _chunk_major(x):
 def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
     """Returns Aqk, U, W, q exp(Gc), exp(Gc_last - Gc) k, exp(Gc_last), Akk and the inverse."""
     G = g.clamp(min=lower_bound).cumsum_(-2)
-    _, rows, key_decay = _tile_factors(q, k, G, lower_bound)
-    scores = rows @ key_decay.mul_(k.unsqueeze(-3)).mT  # [.., n, 2t, C]
-    del rows, key_decay
+    _, rows, refs = _tile_factors(q, k, G)
+    # Keys after row tile a are masked out of its scores: they stay 0, never computed.
+    Aqk = q.new_zeros(*q.shape[:-1], q.shape[-2])
+    Akk = torch.zeros_like(Aqk)
+    for tile, (rows_tile, key_decay) in enumerate(zip(rows.unbind(-3), _key_factors(G, refs))):
+        end = key_decay.shape[-2]
+        scores = rows_tile @ key_decay.mul_(k[..., :end, :]).mT  # [.., 2t, end]
+        tile_rows = slice(tile * SUB_TILE, end)
+        Aqk[..., tile_rows, :end] = scores[..., :SUB_TILE, :]
+        Akk[..., tile_rows, :end] = scores[..., SUB_TILE:, :]
+    del rows, scores, key_decay
     lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
-    Aqk = _from_tiles(scores[..., :SUB_TILE, :]).mul_(scale).masked_fill_(~lower, 0.0)
-    Akk = _from_tiles(scores[..., SUB_TILE:, :]).masked_fill_(~strictly_lower, 0.0)
-    del scores
+    Aqk.mul_(scale).masked_fill_(~lower, 0.0)
+    Akk.masked_fill_(~strictly_lower, 0.0)
     # (I + Diag(beta) Akk)^-1, unit lower triangular; U and W are then plain matmuls.
     inverse = _unit_lower_inverse(beta * Akk)
     weighted = inverse * beta.mT  # = inverse @ Diag(beta)
@@ -477,12 +485,16 @@ def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, 
     del dM, dweighted
     # scores = rows @ keys^T per row tile, with the references held constant: the scores
     # depend on Gc only through differences, so that gradient is exact.
-    row, rows, key_decay = _tile_factors(q, k, G, lower_bound)
-    dscores = torch.stack([_to_tiles(dAqk), _to_tiles(dAkk)], dim=-3).flatten(-3, -2)
-    del dAqk, dAkk
-    dk_keys = (dscores.mT @ rows).mul_(key_decay).sum(-3)  # [.., C, K]
-    drows = dscores @ key_decay.mul_(k.unsqueeze(-3))  # [.., n, 2t, K]
-    del dscores, key_decay
+    row, rows, refs = _tile_factors(q, k, G)
+    dk_keys = torch.zeros_like(k)
+    drows = torch.empty_like(rows)  # [.., n, 2t, K]
+    for tile, (rows_tile, key_decay) in enumerate(zip(rows.unbind(-3), _key_factors(G, refs))):
+        end = key_decay.shape[-2]
+        tile_rows = slice(tile * SUB_TILE, end)
+        dscores = torch.cat([dAqk[..., tile_rows, :end], dAkk[..., tile_rows, :end]], dim=-2)
+        dk_keys[..., :end, :].addcmul_(dscores.mT @ rows_tile, key_decay)
+        drows[..., tile, :, :] = dscores @ key_decay.mul_(k[..., :end, :])
+    del dAqk, dAkk, dscores, key_decay
     drows, rows = drows.unflatten(-2, (2, SUB_TILE)), rows.unflatten(-2, (2, SUB_TILE))
     dG = _from_tiles((drows * rows).sum(-3)).addcmul_(dk_keys, k, value=-1)
     dq = _from_tiles(drows[..., 0, :, :] * row)
@@ -503,21 +515,26 @@ def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, 
     return dq, dk, dv, dg, dbeta
 
 
-def _tile_factors(q, k, G, lower_bound):
-    """The scores' factors, with R_a = Gc at row _TILE_REF of row tile a: row = exp(Gc_i - R_a)
-    for i in tile a ([.., n, t, K], within exp(-8, 7 * |lower_bound|)); rows [.., n, 2t, K], q
-    then k times row; key_decay[a, j] = exp(R_a - Gc_j) [.., n, C, K], exact up to the end of
-    tile a (<= exp(8 |lower_bound|)), floored at exp(-80) before it (the row factor is at most
-    exp(35), so a floored term stays below exp(-45)) and capped after it (masked later)."""
+def _tile_factors(q, k, G):
+    """The scores' row factors, with R_a = Gc at row _TILE_REF of row tile a: row =
+    exp(Gc_i - R_a) for i in tile a ([.., n, t, K], within exp(-8, 7 * |lower_bound|)); rows
+    [.., n, 2t, K], q then k times row; and the references R [.., n, 1, K]."""
     Gt = _to_tiles(G)
-    ref = Gt[..., _TILE_REF:_TILE_REF + 1, :]
-    row = (Gt - ref).exp_()
+    refs = Gt[..., _TILE_REF:_TILE_REF + 1, :]
+    row = (Gt - refs).exp_()
     rows = row.new_empty(*row.shape[:-2], 2, *row.shape[-2:])
     torch.mul(_to_tiles(q), row, out=rows[..., 0, :, :])
     torch.mul(_to_tiles(k), row, out=rows[..., 1, :, :])
-    cap = (SUB_TILE - 1 - _TILE_REF) * -lower_bound
-    key_decay = (ref - G.unsqueeze(-3)).clamp_(_EXP_FLOOR, cap).exp_()
-    return row, rows.flatten(-3, -2), key_decay
+    return row, rows.flatten(-3, -2), refs
+
+
+def _key_factors(G, refs):
+    """Per row tile a, the key factors exp(R_a - Gc_j) [.., 16 (a + 1), K] for the keys up to
+    the end of tile a (the later ones are masked out of its scores, so none is computed): at
+    most exp(8 |lower_bound|), floored at exp(-80) before the tile (the row factor is at most
+    exp(35), so a floored term stays below exp(-45))."""
+    for tile, ref in enumerate(refs.unbind(-3)):
+        yield _decay(ref - G[..., :(tile + 1) * SUB_TILE, :])
 
 
 def _to_tiles(x):
