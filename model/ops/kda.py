@@ -236,24 +236,23 @@ def _docs_layout(cu_seqlens: torch.Tensor, T: int, chunk: int) -> _ChunkLayout:
 
 
 def _to_chunks(x: torch.Tensor, layout: _ChunkLayout, chunk: int) -> torch.Tensor:
-    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32 or wider, zeros where no token lands,
-    stored chunk-major (a permuted view of [num_chunks, B, H, C, ...]): one copy here, and then
-    the state pass reads each chunk and the intra-chunk blocks read whole chunks without
-    copies."""
+    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32 or wider, zeros where no token lands:
+    a view of x, or of its padded or cast copy (token-major). No chunk-major copy of the whole
+    input: the bounded form copies one block of chunks at a time (it stays in cache), and a
+    32 MiB buffer at T = 16K would be fresh memory, page-faulted in on every step."""
     B, T, H, *rest = x.shape
     padded_T = layout.num_chunks * chunk
     if layout.token_index is not None:
         x = x.new_zeros(B, padded_T, H, *rest).index_copy(1, layout.token_index, x)
     elif T < padded_T:
         x = torch.cat([x, x.new_zeros(B, padded_T - T, H, *rest)], dim=1)
-    trailing = tuple(range(4, x.dim() + 1))
-    x = x.unflatten(1, (layout.num_chunks, chunk)).permute(1, 0, 3, 2, *trailing)
-    x = x.to(compute_dtype(x.dtype), memory_format=torch.contiguous_format)
-    return x.permute(1, 2, 0, 3, *trailing)
+    x = x.to(compute_dtype(x.dtype)).unflatten(1, (layout.num_chunks, chunk))
+    return x.permute(0, 3, 1, 2, *range(4, x.dim()))
 
 
 def _from_chunks(x: torch.Tensor, layout: _ChunkLayout, T: int) -> torch.Tensor:
-    """[B, H, num_chunks, C, V] -> [B, T, H, V] (one copy: the chunks are stored chunk-major)."""
+    """[B, H, num_chunks, C, V] -> [B, T, H, V] (a view for rows: the state pass stores its
+    output token-major)."""
     x = x.permute(0, 2, 3, 1, 4).flatten(1, 2)
     return x[:, :T] if layout.token_index is None else x.index_select(1, layout.token_index)
 
@@ -384,23 +383,26 @@ class _BoundedIntraChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, lower_bound, masks: _SegmentMasks | None):
         inputs = (q, k, v, g, beta)
-        outputs = _by_blocks(_bounded_forward, inputs, (), scale, lower_bound, masks)
+        outputs = _by_blocks(_bounded_forward, inputs, (), scale, lower_bound, masks, None)
         ctx.save_for_backward(*inputs, *outputs[-2:])  # Akk, inverse
         ctx.scale, ctx.lower_bound, ctx.masks = scale, lower_bound, masks
         return tuple(outputs[:-2])
 
     @staticmethod
     def backward(ctx, *grads):
+        inputs = ctx.saved_tensors[:5]
         grads = _by_blocks(_bounded_backward, ctx.saved_tensors, grads, ctx.scale,
-                           ctx.lower_bound, ctx.masks)
+                           ctx.lower_bound, ctx.masks, inputs)
         return *grads, None, None, None
 
 
-def _by_blocks(fn, tensors, more, scale, lower_bound, masks):
+def _by_blocks(fn, tensors, more, scale, lower_bound, masks, layout_of):
     """fn over blocks of whole chunks (dimension 2 of every tensor), results put together. fn
-    sees each block chunk-major, [n, B, H, C, ...] (masks [n, 1, 1, C, ...]): contiguous for
-    chunk-major inputs, so elementwise results are contiguous and matmuls take the rows as
-    they are; the results are stored chunk-major as well."""
+    sees each block chunk-major, [n, B, H, C, ...] (masks [n, 1, 1, C, ...]): a copy that stays
+    in cache (a view for chunk-major tensors), so elementwise results are contiguous and matmuls
+    take the rows as they are. The results are stored chunk-major (the state pass reads them
+    chunk by chunk), or with the strides of the tensors `layout_of` (the gradients of the
+    inputs: token-major, so the backward of _to_chunks is a view, not a copy)."""
     B, H, NC, C, K = tensors[0].shape
     step = max(1, _BLOCK_ELEMENTS // (B * H * C * K))
     results = None
@@ -411,15 +413,21 @@ def _by_blocks(fn, tensors, more, scale, lower_bound, masks):
         parts = fn(*(_chunk_major(x[:, :, block]) for x in (*tensors, *more)), scale,
                    lower_bound, block_masks)
         if results is None:
-            results = [x.new_empty(NC, *x.shape[1:]) for x in parts]
+            results = ([torch.empty_like(x) for x in layout_of] if layout_of is not None else
+                       [_from_chunk_major(x.new_empty(NC, *x.shape[1:])) for x in parts])
         for result, part in zip(results, parts):
-            result[block] = part
-    return [x.permute(1, 2, 0, *range(3, x.dim())) for x in results]
+            result[:, :, block] = _from_chunk_major(part)
+    return results
 
 
 def _chunk_major(x):
     """[B, H, n, ...] -> [n, B, H, ...] contiguous (a view where x is stored chunk-major)."""
     return x.permute(2, 0, 1, *range(3, x.dim())).contiguous()
+
+
+def _from_chunk_major(x):
+    """[n, B, H, ...] -> [B, H, n, ...] (a view)."""
+    return x.permute(1, 2, 0, *range(3, x.dim()))
 
 
 def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
@@ -601,7 +609,9 @@ class _StatePass(torch.autograd.Function):
         states = U.new_empty(NC + 1, B, H, K, V)
         states[0] = state
         new_values = torch.empty_like(U)
-        o = torch.empty_like(U)
+        # o token-major, so that _from_chunks is a view: each chunk's output is computed in a
+        # scratch buffer that stays in cache and copied into place.
+        o, o_chunk = U.new_empty(B, NC, C, H, V), U.new_empty(B * H, C, V)
         end_states = U.new_empty(NC, B, H, K, V) if starts is not None else states[1:]
         zeros = U.new_zeros(())
         for c in range(NC):
@@ -612,13 +622,15 @@ class _StatePass(torch.autograd.Function):
             S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
             vn = torch.baddbmm(_chunk(U, c), _chunk(W, c), S, alpha=-1,
                                out=_chunk(new_values, c))
-            o_c = torch.bmm(_chunk(q_decayed, c), S, out=_chunk(o, c))
-            _accumulate_bmm(o_c, _chunk(Aqk, c), vn)
+            torch.bmm(_chunk(q_decayed, c), S, out=o_chunk)
+            _accumulate_bmm(o_chunk, _chunk(Aqk, c), vn)
+            o[:, c] = o_chunk.view(B, H, C, V).transpose(1, 2)
             _accumulate_bmm(torch.mul(_chunk(chunk_decay, c).mT, S, out=end),
                             _chunk(k_to_end, c).mT, vn)
         ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, states[:NC], new_values,
                               starts)
         ctx.inits_shape = None if inits is None else inits.shape
+        o = o.permute(0, 3, 1, 2, 4)
         return o, states[NC].clone() if starts is None else end_states.permute(1, 2, 0, 3, 4)
 
     @staticmethod
