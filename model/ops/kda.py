@@ -272,12 +272,14 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
         layout = _docs_layout(cu_seqlens, T, chunk)
     qc, kc, vc, gc = (_to_chunks(x, layout, chunk) for x in (q, k, v, g))
     bc = _to_chunks(beta.unsqueeze(-1), layout, chunk)
+    carried_in = _carried_in(qc, vc, initial_state, layout)
     if lower_bound is None:  # contiguous: elementwise results would keep a view's strides
         qc, kc, vc, gc, bc = (x.contiguous() for x in (qc, kc, vc, gc, bc))
         prepared = _intra_chunk(qc * scale, kc, vc, gc, bc, masks)  # scale in fp32, after the cast
+        o, chunk_end_states = _StatePass.apply(*prepared, *carried_in)
     else:
-        prepared = _BoundedIntraChunk.apply(qc, kc, vc, gc, bc, scale, lower_bound, masks)
-    o, chunk_end_states = _state_pass(*prepared, initial_state, layout)
+        o, chunk_end_states = _BoundedIntraChunk.apply(qc, kc, vc, gc, bc, *carried_in, scale,
+                                                      lower_bound, masks)
     o = _from_chunks(o, layout, T).to(q.dtype)
     if not output_final_state:
         return o, None
@@ -373,48 +375,78 @@ def _decayed_scores(q, k, G):
 
 
 class _BoundedIntraChunk(torch.autograd.Function):
-    """_intra_chunk for a gate with a safe lower bound (q not yet scaled): the decayed scores are
-    one dense matmul per row tile of two factors (see the module docstring). It keeps its inputs,
-    Akk and the WY inverse for the backward, which recomputes the factors; the other
-    intermediates never outlive a block of chunks: both passes run over blocks of about
-    _BLOCK_ELEMENTS elements per [.., C, K] tensor (all chunks of a block at once), so that
-    temporaries stay in cache and in the allocator's reused memory."""
+    """The chunk form for a gate with a safe lower bound (q not yet scaled): the intra-chunk
+    work, where the decayed scores are one dense matmul per row tile of two factors (see the
+    module docstring), then the state pass. It keeps its inputs, Akk, the WY inverse and what
+    the state pass's backward needs, and recomputes the factors in its backward. The
+    intra-chunk work runs over blocks of about _BLOCK_ELEMENTS elements per [.., C, K] tensor
+    (all chunks of a block at once), so that temporaries stay in cache and in the allocator's
+    reused memory. The backward runs the state pass's backward block by block in reverse and
+    each block's intra-chunk backward right after it: the gradients of the intra-chunk results
+    (U, W, ...) exist for one block at a time, not as 32 MiB buffers (at T = 16K) of fresh,
+    page-faulted memory."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, lower_bound, masks: _SegmentMasks | None):
+    def forward(ctx, q, k, v, g, beta, state, inits, starts, scale, lower_bound,
+                masks: _SegmentMasks | None):
         inputs = (q, k, v, g, beta)
-        outputs = _by_blocks(_bounded_forward, inputs, (), scale, lower_bound, masks, None)
-        ctx.save_for_backward(*inputs, *outputs[-2:])  # Akk, inverse
+        *prepared, Akk, inverse = _by_blocks(_bounded_forward, inputs, scale, lower_bound, masks)
+        o, out_states, carry_saved = _carry_forward(*prepared, state, inits, starts)
+        Aqk, _, W, q_decayed, k_to_end, chunk_decay = prepared
+        ctx.save_for_backward(*inputs, Akk, inverse, Aqk, W, q_decayed, k_to_end, chunk_decay,
+                              *carry_saved, starts)
         ctx.scale, ctx.lower_bound, ctx.masks = scale, lower_bound, masks
-        return tuple(outputs[:-2])
+        ctx.inits_shape = None if inits is None else inits.shape
+        return o, out_states
 
     @staticmethod
-    def backward(ctx, *grads):
-        inputs = ctx.saved_tensors[:5]
-        grads = _by_blocks(_bounded_backward, ctx.saved_tensors, grads, ctx.scale,
-                           ctx.lower_bound, ctx.masks, inputs)
-        return *grads, None, None, None
+    def backward(ctx, do, dout_states):
+        inputs, (Akk, inverse), carried = (ctx.saved_tensors[:5], ctx.saved_tensors[5:7],
+                                           ctx.saved_tensors[7:])
+        Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = carried
+        carry = _CarryBackward(*carried, do, dout_states,
+                               ctx.inits_shape if ctx.needs_input_grad[6] else None)
+        # Token-major like the inputs: the backward of _to_chunks is then a view, not a copy.
+        grads = [torch.empty_like(x) for x in inputs]
+        for block, block_masks in reversed(list(_blocks(inputs[0].shape, ctx.masks))):
+            n = block.stop - block.start
+            # The gradients of Aqk, U, W, q exp(G), exp(G_last - G) k and exp(G_last) for the
+            # block, chunk-major [n, B, H, ...].
+            local = [x.new_empty(n, *x.shape[:2], *x.shape[3:])
+                     for x in (Aqk, new_values, W, q_decayed, k_to_end, chunk_decay)]
+            carry.run(range(block.start, block.stop), [_from_chunk_major(x) for x in local])
+            parts = _bounded_backward(*(_chunk_major(x[:, :, block])
+                                        for x in (*inputs, Akk, inverse)),
+                                      *local, ctx.scale, ctx.lower_bound, block_masks)
+            for grad, part in zip(grads, parts):
+                grad[:, :, block] = _from_chunk_major(part)
+        return *grads, carry.initial_state_grad(), carry.dinits, None, None, None, None
 
 
-def _by_blocks(fn, tensors, more, scale, lower_bound, masks, layout_of):
-    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together. fn
-    sees each block chunk-major, [n, B, H, C, ...] (masks [n, 1, 1, C, ...]): a copy that stays
-    in cache (a view for chunk-major tensors), so elementwise results are contiguous and matmuls
-    take the rows as they are. The results are stored chunk-major (the state pass reads them
-    chunk by chunk), or with the strides of the tensors `layout_of` (the gradients of the
-    inputs: token-major, so the backward of _to_chunks is a view, not a copy)."""
-    B, H, NC, C, K = tensors[0].shape
+def _blocks(shape, masks):
+    """Blocks of whole chunks of a [B, H, NC, C, K] tensor, about _BLOCK_ELEMENTS elements each,
+    with their masks ([n, 1, 1, C, ...])."""
+    B, H, NC, C, K = shape
     step = max(1, _BLOCK_ELEMENTS // (B * H * C * K))
-    results = None
     for start in range(0, NC, step):
         block = slice(start, min(start + step, NC))
         block_masks = None if masks is None else _SegmentMasks(
             *(m[block, None, None] for m in (masks.same, masks.continues, masks.in_last)))
-        parts = fn(*(_chunk_major(x[:, :, block]) for x in (*tensors, *more)), scale,
-                   lower_bound, block_masks)
+        yield block, block_masks
+
+
+def _by_blocks(fn, tensors, scale, lower_bound, masks):
+    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together. fn
+    sees each block chunk-major, [n, B, H, C, ...]: a copy that stays in cache (a view for
+    chunk-major tensors), so elementwise results are contiguous and matmuls take the rows as
+    they are. The results are stored chunk-major (the state pass reads them chunk by chunk)."""
+    NC = tensors[0].shape[2]
+    results = None
+    for block, block_masks in _blocks(tensors[0].shape, masks):
+        parts = fn(*(_chunk_major(x[:, :, block]) for x in tensors), scale, lower_bound,
+                   block_masks)
         if results is None:
-            results = ([torch.empty_like(x) for x in layout_of] if layout_of is not None else
-                       [_from_chunk_major(x.new_empty(NC, *x.shape[1:])) for x in parts])
+            results = [_from_chunk_major(x.new_empty(NC, *x.shape[1:])) for x in parts]
         for result, part in zip(results, parts):
             result[:, :, block] = _from_chunk_major(part)
     return results
@@ -576,12 +608,12 @@ def _unit_lower_inverse(A):
     return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
 
 
-def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layout):
-    """Carries the state across chunks (the only sequential part). Returns the output chunks
-    [B, H, NC, C, V] and the state after each chunk [B, H, NC, K, V] for packed documents, after
-    the last chunk [B, H, K, V] for rows."""
-    B, H, _, _, K = W.shape
-    state = U.new_zeros(B, H, K, U.shape[-1])
+def _carried_in(qc, vc, initial_state, layout):
+    """What the state pass starts from: the state entering the first chunk [B, H, K, V], and for
+    packed documents the initial state of each chunk's document (None: zeros) and whether each
+    chunk starts one."""
+    B, H, _, _, K = qc.shape
+    state = qc.new_zeros(B, H, K, vc.shape[-1])
     starts = inits = None
     if layout.chunk_doc is None:
         if initial_state is not None:
@@ -590,84 +622,113 @@ def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layo
         starts = layout.chunk_starts_doc
         if initial_state is not None:
             inits = upcast(initial_state).index_select(0, layout.chunk_doc).unsqueeze(1)
-    return _StatePass.apply(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts)
+    return state, inits, starts
 
 
 class _StatePass(torch.autograd.Function):
-    """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c],
-    zeros without inits), Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
-    S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
-    in cache and writes (or accumulates) into preallocated buffers (no per-chunk autograd graph,
-    no copies: chunk-major inputs make each chunk's slice contiguous), and the backward runs the
-    loop in reverse from the saved S_c and Vn_c."""
+    """The state pass (_carry_forward) after the exact form's intra-chunk work; its backward
+    runs the loop in reverse from the saved S_c and Vn_c (_CarryBackward)."""
 
     @staticmethod
     def forward(ctx, Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
-        B, H, NC, C, V = U.shape
-        K = W.shape[-1]
-        # states[c] enters chunk c (chunk-major, like the inputs); states[NC] leaves the last.
-        states = U.new_empty(NC + 1, B, H, K, V)
-        states[0] = state
-        new_values = torch.empty_like(U)
-        # o token-major, so that _from_chunks is a view: each chunk's output is computed in a
-        # scratch buffer that stays in cache and copied into place.
-        o, o_chunk = U.new_empty(B, NC, C, H, V), U.new_empty(B * H, C, V)
-        end_states = U.new_empty(NC, B, H, K, V) if starts is not None else states[1:]
-        zeros = U.new_zeros(())
-        for c in range(NC):
-            if starts is not None:  # the state carried in: end_states[c - 1], or the one given
-                carried = end_states[c - 1] if c else states[0]
-                torch.where(starts[c], zeros if inits is None else inits[c], carried,
-                            out=states[c])
-            S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
-            vn = torch.baddbmm(_chunk(U, c), _chunk(W, c), S, alpha=-1,
-                               out=_chunk(new_values, c))
-            torch.bmm(_chunk(q_decayed, c), S, out=o_chunk)
-            _accumulate_bmm(o_chunk, _chunk(Aqk, c), vn)
-            o[:, c] = o_chunk.view(B, H, C, V).transpose(1, 2)
-            _accumulate_bmm(torch.mul(_chunk(chunk_decay, c).mT, S, out=end),
-                            _chunk(k_to_end, c).mT, vn)
-        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, states[:NC], new_values,
-                              starts)
+        o, out_states, saved = _carry_forward(Aqk, U, W, q_decayed, k_to_end, chunk_decay,
+                                              state, inits, starts)
+        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, *saved, starts)
         ctx.inits_shape = None if inits is None else inits.shape
-        o = o.permute(0, 3, 1, 2, 4)
-        return o, states[NC].clone() if starts is None else end_states.permute(1, 2, 0, 3, 4)
+        return o, out_states
 
     @staticmethod
-    def backward(ctx, do, dend_states):
-        Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values, starts = \
-            ctx.saved_tensors
-        NC = new_values.shape[2]
-        dAqk, dq_decayed = torch.empty_like(Aqk), torch.empty_like(q_decayed)
-        dU, dW, dk_to_end = torch.empty_like(new_values), torch.empty_like(W), torch.empty_like(W)
-        dchunk_decay = torch.empty_like(chunk_decay)
-        dinits = None
-        if ctx.needs_input_grad[7]:
-            dinits = start_states.new_zeros(ctx.inits_shape)
-        # The gradient of the state after chunk c, [B * H, K, V].
+    def backward(ctx, do, dout_states):
+        Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = ctx.saved_tensors
+        carry = _CarryBackward(*ctx.saved_tensors, do, dout_states,
+                               ctx.inits_shape if ctx.needs_input_grad[7] else None)
+        grads = [torch.empty_like(x) for x in (Aqk, new_values, W, q_decayed, k_to_end,
+                                               chunk_decay)]
+        carry.run(range(new_values.shape[2]), grads)
+        return *grads, carry.initial_state_grad(), carry.dinits, None
+
+
+def _carry_forward(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
+    """Carries the state across chunks (the only sequential part). Per chunk c: S_c (the state
+    entering it; a chunk that starts a document loads inits[c], zeros without inits),
+    Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
+    S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
+    in cache and writes (or accumulates) into preallocated buffers (no per-chunk autograd graph;
+    chunk-major inputs make each chunk's slice contiguous).
+
+    Returns o [B, H, NC, C, V] (stored token-major, so that _from_chunks is a view), the state
+    after each chunk [B, H, NC, K, V] for packed documents or after the last [B, H, K, V] for
+    rows, and what the backward needs: the states entering the chunks and Vn."""
+    B, H, NC, C, V = U.shape
+    K = W.shape[-1]
+    # states[c] enters chunk c (chunk-major, like the inputs); states[NC] leaves the last.
+    states = U.new_empty(NC + 1, B, H, K, V)
+    states[0] = state
+    new_values = torch.empty_like(U)
+    # Each chunk's output is computed in a scratch buffer that stays in cache, then copied.
+    o, o_chunk = U.new_empty(B, NC, C, H, V), U.new_empty(B * H, C, V)
+    end_states = U.new_empty(NC, B, H, K, V) if starts is not None else states[1:]
+    zeros = U.new_zeros(())
+    for c in range(NC):
+        if starts is not None:  # the state carried in: end_states[c - 1], or the one given
+            carried = end_states[c - 1] if c else states[0]
+            torch.where(starts[c], zeros if inits is None else inits[c], carried, out=states[c])
+        S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
+        vn = torch.baddbmm(_chunk(U, c), _chunk(W, c), S, alpha=-1, out=_chunk(new_values, c))
+        torch.bmm(_chunk(q_decayed, c), S, out=o_chunk)
+        _accumulate_bmm(o_chunk, _chunk(Aqk, c), vn)
+        o[:, c] = o_chunk.view(B, H, C, V).transpose(1, 2)
+        _accumulate_bmm(torch.mul(_chunk(chunk_decay, c).mT, S, out=end),
+                        _chunk(k_to_end, c).mT, vn)
+    out_states = states[NC].clone() if starts is None else end_states.permute(1, 2, 0, 3, 4)
+    return o.permute(0, 3, 1, 2, 4), out_states, (states[:NC], new_values)
+
+
+class _CarryBackward:
+    """The state pass's backward, chunk by chunk in reverse order: `run` over any descending
+    sequence of ranges of chunks, each writing the gradients of its chunks' Aqk, U, W,
+    q exp(G), exp(G_last - G) k and exp(G_last) into buffers [B, H, n, ...] for that range.
+    It carries dstate, the gradient of the state after the chunk being processed, [B * H, K, V]
+    (and with packed documents the initial states' gradients, dinits)."""
+
+    def __init__(self, Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values,
+                 starts, do, dout_states, inits_shape):
+        self.Aqk, self.W, self.q_decayed, self.k_to_end = Aqk, W, q_decayed, k_to_end
+        self.chunk_decay, self.start_states, self.new_values = chunk_decay, start_states, new_values
+        self.starts, self.do, self.dout_states = starts, do, dout_states
+        self.dinits = None if inits_shape is None else start_states.new_zeros(inits_shape)
         if starts is None:
-            dstate = dend_states.flatten(0, 1).clone()
+            self.dstate = dout_states.flatten(0, 1).clone()
         else:
-            dstate = torch.zeros_like(dend_states[:, :, 0]).flatten(0, 1)
-        for c in reversed(range(NC)):
+            self.dstate = torch.zeros_like(dout_states[:, :, 0]).flatten(0, 1)
+
+    def run(self, chunks: range, grads):
+        dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay = grads
+        starts, dstate = self.starts, self.dstate
+        for c in reversed(chunks):
+            i = c - chunks.start
             if starts is not None:
-                dstate += _chunk(dend_states, c)
-            S, vn, do_c = start_states[c].flatten(0, 1), _chunk(new_values, c), _chunk(do, c)
-            torch.bmm(do_c, vn.mT, out=_chunk(dAqk, c))
-            torch.bmm(do_c, S.mT, out=_chunk(dq_decayed, c))
-            torch.bmm(vn, dstate.mT, out=_chunk(dk_to_end, c))
-            torch.sum(dstate * S, -1, keepdim=True, out=_chunk(dchunk_decay, c).mT)
-            dvn = torch.bmm(_chunk(Aqk, c).mT, do_c, out=_chunk(dU, c))
-            _accumulate_bmm(dvn, _chunk(k_to_end, c), dstate)
-            torch.bmm(dvn, S.mT, out=_chunk(dW, c)).neg_()
-            _accumulate_bmm(dstate.mul_(_chunk(chunk_decay, c).mT), _chunk(q_decayed, c).mT, do_c)
-            _accumulate_bmm(dstate, _chunk(W, c).mT, dvn, alpha=-1)
+                dstate += _chunk(self.dout_states, c)
+            S, vn = self.start_states[c].flatten(0, 1), _chunk(self.new_values, c)
+            do_c = _chunk(self.do, c)
+            torch.bmm(do_c, vn.mT, out=_chunk(dAqk, i))
+            torch.bmm(do_c, S.mT, out=_chunk(dq_decayed, i))
+            torch.bmm(vn, dstate.mT, out=_chunk(dk_to_end, i))
+            torch.sum(dstate * S, -1, keepdim=True, out=_chunk(dchunk_decay, i).mT)
+            dvn = torch.bmm(_chunk(self.Aqk, c).mT, do_c, out=_chunk(dU, i))
+            _accumulate_bmm(dvn, _chunk(self.k_to_end, c), dstate)
+            torch.bmm(dvn, S.mT, out=_chunk(dW, i)).neg_()
+            _accumulate_bmm(dstate.mul_(_chunk(self.chunk_decay, c).mT),
+                            _chunk(self.q_decayed, c).mT, do_c)
+            _accumulate_bmm(dstate, _chunk(self.W, c).mT, dvn, alpha=-1)
             if starts is not None:  # a loaded initial state cuts the carried one off
-                if dinits is not None:
-                    dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(dinits[c])
+                if self.dinits is not None:
+                    self.dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(self.dinits[c])
                 dstate = torch.where(starts[c], 0.0, dstate)
-        dstate = dstate.view_as(start_states[0])
-        return dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay, dstate, dinits, None
+        self.dstate = dstate
+
+    def initial_state_grad(self):
+        return self.dstate.view_as(self.start_states[0])
 
 
 def _accumulate_bmm(out, a, b, alpha=1):
