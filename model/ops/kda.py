@@ -390,9 +390,22 @@ class _BoundedIntraChunk(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, state, inits, starts, scale, lower_bound,
                 masks: _SegmentMasks | None):
         inputs = (q, k, v, g, beta)
-        *prepared, Akk, inverse = _by_blocks(_bounded_forward, inputs, scale, lower_bound, masks)
-        o, out_states, carry_saved = _carry_forward(*prepared, state, inits, starts)
-        Aqk, _, W, q_decayed, k_to_end, chunk_decay = prepared
+        NC = q.shape[2]
+        carry = _CarryForward(state, inits, starts, NC, q.shape[3])
+        kept = None  # what the backward needs: all but U, stored chunk-major
+        for block, block_masks in _blocks(q.shape, masks):
+            Aqk, U, *rest = _bounded_forward(*(_chunk_major(x[:, :, block]) for x in inputs),
+                                             scale, lower_bound, block_masks)
+            parts = (Aqk, *rest)  # W, q exp(G), exp(G_last - G) k, exp(G_last), Akk, inverse
+            if kept is None:
+                kept = [_from_chunk_major(x.new_empty(NC, *x.shape[1:])) for x in parts]
+            for result, part in zip(kept, parts):
+                result[:, :, block] = _from_chunk_major(part)
+            # The state pass over the block's chunks while its results are in cache.
+            carry.run(range(block.start, block.stop),
+                      *(_from_chunk_major(x) for x in (Aqk, U, *rest[:4])))
+        o, out_states, carry_saved = carry.results()
+        Aqk, W, q_decayed, k_to_end, chunk_decay, Akk, inverse = kept
         ctx.save_for_backward(*inputs, Akk, inverse, Aqk, W, q_decayed, k_to_end, chunk_decay,
                               *carry_saved, starts)
         ctx.scale, ctx.lower_bound, ctx.masks = scale, lower_bound, masks
@@ -433,23 +446,6 @@ def _blocks(shape, masks):
         block_masks = None if masks is None else _SegmentMasks(
             *(m[block, None, None] for m in (masks.same, masks.continues, masks.in_last)))
         yield block, block_masks
-
-
-def _by_blocks(fn, tensors, scale, lower_bound, masks):
-    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together. fn
-    sees each block chunk-major, [n, B, H, C, ...]: a copy that stays in cache (a view for
-    chunk-major tensors), so elementwise results are contiguous and matmuls take the rows as
-    they are. The results are stored chunk-major (the state pass reads them chunk by chunk)."""
-    NC = tensors[0].shape[2]
-    results = None
-    for block, block_masks in _blocks(tensors[0].shape, masks):
-        parts = fn(*(_chunk_major(x[:, :, block]) for x in tensors), scale, lower_bound,
-                   block_masks)
-        if results is None:
-            results = [_from_chunk_major(x.new_empty(NC, *x.shape[1:])) for x in parts]
-        for result, part in zip(results, parts):
-            result[:, :, block] = _from_chunk_major(part)
-    return results
 
 
 def _chunk_major(x):
@@ -631,8 +627,9 @@ class _StatePass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
-        o, out_states, saved = _carry_forward(Aqk, U, W, q_decayed, k_to_end, chunk_decay,
-                                              state, inits, starts)
+        carry = _CarryForward(state, inits, starts, *U.shape[2:4])
+        carry.run(range(U.shape[2]), Aqk, U, W, q_decayed, k_to_end, chunk_decay)
+        o, out_states, saved = carry.results()
         ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, *saved, starts)
         ctx.inits_shape = None if inits is None else inits.shape
         return o, out_states
@@ -648,40 +645,59 @@ class _StatePass(torch.autograd.Function):
         return *grads, carry.initial_state_grad(), carry.dinits, None
 
 
-def _carry_forward(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
-    """Carries the state across chunks (the only sequential part). Per chunk c: S_c (the state
-    entering it; a chunk that starts a document loads inits[c], zeros without inits),
-    Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
-    S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
-    in cache and writes (or accumulates) into preallocated buffers (no per-chunk autograd graph;
-    chunk-major inputs make each chunk's slice contiguous).
+class _CarryForward:
+    """Carries the state across chunks (the only sequential part): `run` over consecutive
+    ranges of chunks in order, each given that range's Aqk, U, W, q exp(G), exp(G_last - G) k
+    and exp(G_last) [B, H, n, ...]. Per chunk c: S_c (the state entering it; a chunk that starts
+    a document loads inits[c], zeros without inits), Vn_c = U_c - W_c S_c,
+    O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every
+    matmul of a chunk runs while its state is in cache and writes (or accumulates) into
+    preallocated buffers (no per-chunk autograd graph; chunk-major inputs make each chunk's
+    slice contiguous)."""
 
-    Returns o [B, H, NC, C, V] (stored token-major, so that _from_chunks is a view), the state
-    after each chunk [B, H, NC, K, V] for packed documents or after the last [B, H, K, V] for
-    rows, and what the backward needs: the states entering the chunks and Vn."""
-    B, H, NC, C, V = U.shape
-    K = W.shape[-1]
-    # states[c] enters chunk c (chunk-major, like the inputs); states[NC] leaves the last.
-    states = U.new_empty(NC + 1, B, H, K, V)
-    states[0] = state
-    new_values = torch.empty_like(U)
-    # Each chunk's output is computed in a scratch buffer that stays in cache, then copied.
-    o, o_chunk = U.new_empty(B, NC, C, H, V), U.new_empty(B * H, C, V)
-    end_states = U.new_empty(NC, B, H, K, V) if starts is not None else states[1:]
-    zeros = U.new_zeros(())
-    for c in range(NC):
-        if starts is not None:  # the state carried in: end_states[c - 1], or the one given
-            carried = end_states[c - 1] if c else states[0]
-            torch.where(starts[c], zeros if inits is None else inits[c], carried, out=states[c])
-        S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
-        vn = torch.baddbmm(_chunk(U, c), _chunk(W, c), S, alpha=-1, out=_chunk(new_values, c))
-        torch.bmm(_chunk(q_decayed, c), S, out=o_chunk)
-        _accumulate_bmm(o_chunk, _chunk(Aqk, c), vn)
-        o[:, c] = o_chunk.view(B, H, C, V).transpose(1, 2)
-        _accumulate_bmm(torch.mul(_chunk(chunk_decay, c).mT, S, out=end),
-                        _chunk(k_to_end, c).mT, vn)
-    out_states = states[NC].clone() if starts is None else end_states.permute(1, 2, 0, 3, 4)
-    return o.permute(0, 3, 1, 2, 4), out_states, (states[:NC], new_values)
+    def __init__(self, state, inits, starts, num_chunks, chunk):
+        B, H, K, V = state.shape
+        self.inits, self.starts = inits, starts
+        # states[c] enters chunk c (chunk-major, like the inputs); states[NC] leaves the last.
+        self.states = state.new_empty(num_chunks + 1, B, H, K, V)
+        self.states[0] = state
+        self.new_values = _from_chunk_major(state.new_empty(num_chunks, B, H, chunk, V))
+        # o token-major, so that _from_chunks is a view: each chunk's output is computed in a
+        # scratch buffer that stays in cache, then copied into place.
+        self.o, self.o_chunk = state.new_empty(B, num_chunks, chunk, H, V), \
+            state.new_empty(B * H, chunk, V)
+        self.end_states = (state.new_empty(num_chunks, B, H, K, V) if starts is not None
+                           else self.states[1:])
+
+    def run(self, chunks: range, Aqk, U, W, q_decayed, k_to_end, chunk_decay):
+        starts, states, end_states, o_chunk = self.starts, self.states, self.end_states, \
+            self.o_chunk
+        B, _, C, H, V = self.o.shape
+        for c in chunks:
+            i = c - chunks.start
+            if starts is not None:  # the state carried in: end_states[c - 1], or the one given
+                carried = end_states[c - 1] if c else states[0]
+                loaded = states.new_zeros(()) if self.inits is None else self.inits[c]
+                torch.where(starts[c], loaded, carried, out=states[c])
+            S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
+            vn = torch.baddbmm(_chunk(U, i), _chunk(W, i), S, alpha=-1,
+                               out=_chunk(self.new_values, c))
+            torch.bmm(_chunk(q_decayed, i), S, out=o_chunk)
+            _accumulate_bmm(o_chunk, _chunk(Aqk, i), vn)
+            self.o[:, c] = o_chunk.view(B, H, C, V).transpose(1, 2)
+            _accumulate_bmm(torch.mul(_chunk(chunk_decay, i).mT, S, out=end),
+                            _chunk(k_to_end, i).mT, vn)
+
+    def results(self):
+        """o [B, H, NC, C, V], the state after each chunk [B, H, NC, K, V] for packed documents
+        or after the last [B, H, K, V] for rows, and what the backward needs: the states
+        entering the chunks and Vn."""
+        NC = self.new_values.shape[2]
+        if self.starts is None:
+            out_states = self.states[NC].clone()
+        else:
+            out_states = self.end_states.permute(1, 2, 0, 3, 4)
+        return self.o.permute(0, 3, 1, 2, 4), out_states, (self.states[:NC], self.new_values)
 
 
 class _CarryBackward:
