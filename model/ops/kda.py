@@ -29,9 +29,11 @@ row 7 of row tile a: x_i exp(Gc_i - R_a) (within exp(+-40)) times k_j exp(R_a - 
 exp(40) up to the end of tile a, <= 1 before it, where it is floored at exp(-80): such a term
 stays below exp(-45)). Each row tile is then one dense matmul against the keys up to its end
 (the later ones are masked: neither their factors nor their scores are computed), no [t, t, K]
-pairwise tensor. That form is a custom autograd function over blocks of chunks that
-keeps only its inputs, Akk and the WY inverse, and recomputes the factors in its backward.
-The state pass (both forms) is one too: it saves the state entering each chunk and Vn.
+pairwise tensor. That form is one custom autograd function over blocks of chunks, state pass
+included (each block's chunks are carried right after its intra-chunk work, and backward in
+reverse block by block): it keeps its inputs, Akk, the WY inverse and what the state pass needs
+(the state entering each chunk and Vn), and recomputes the factors in its backward. The exact
+form's state pass is a custom autograd function too, with the same saved tensors.
 """
 
 from __future__ import annotations
@@ -381,10 +383,11 @@ class _BoundedIntraChunk(torch.autograd.Function):
     the state pass's backward needs, and recomputes the factors in its backward. The
     intra-chunk work runs over blocks of about _BLOCK_ELEMENTS elements per [.., C, K] tensor
     (all chunks of a block at once), so that temporaries stay in cache and in the allocator's
-    reused memory. The backward runs the state pass's backward block by block in reverse and
-    each block's intra-chunk backward right after it: the gradients of the intra-chunk results
-    (U, W, ...) exist for one block at a time, not as 32 MiB buffers (at T = 16K) of fresh,
-    page-faulted memory."""
+    reused memory, and the state pass carries each block's chunks right after it. The backward
+    runs the state pass's backward block by block in reverse and each block's intra-chunk
+    backward right after it: U and the gradients of the intra-chunk results (U, W, ...) exist
+    for one block at a time, not as buffers of the whole sequence (32 MiB each at T = 16K with
+    4 heads: fresh memory, page-faulted in on every step)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, inits, starts, scale, lower_bound,
