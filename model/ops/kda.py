@@ -665,17 +665,20 @@ class _CarryForward:
         self.states = state.new_empty(num_chunks + 1, B, H, K, V)
         self.states[0] = state
         self.new_values = _from_chunk_major(state.new_empty(num_chunks, B, H, chunk, V))
-        # o token-major, so that _from_chunks is a view: each chunk's output is computed in a
-        # scratch buffer that stays in cache, then copied into place.
-        self.o, self.o_chunk = state.new_empty(B, num_chunks, chunk, H, V), \
-            state.new_empty(B * H, chunk, V)
+        # o [B, H, NC, C, V] stored token-major, so that _from_chunks is a view, and not itself
+        # a view (autograd refuses in-place ops on views of a custom function's outputs): each
+        # chunk's output is computed in a scratch buffer that stays in cache, then copied.
+        self.o = torch.empty_strided(
+            (B, H, num_chunks, chunk, V), (num_chunks * chunk * H * V, V, chunk * H * V, H * V, 1),
+            dtype=state.dtype, device=state.device)
+        self.o_chunk = state.new_empty(B * H, chunk, V)
         self.end_states = (state.new_empty(num_chunks, B, H, K, V) if starts is not None
                            else self.states[1:])
 
     def run(self, chunks: range, Aqk, U, W, q_decayed, k_to_end, chunk_decay):
         starts, states, end_states, o_chunk = self.starts, self.states, self.end_states, \
             self.o_chunk
-        B, _, C, H, V = self.o.shape
+        B, H, _, C, V = self.o.shape
         for c in chunks:
             i = c - chunks.start
             if starts is not None:  # the state carried in: end_states[c - 1], or the one given
@@ -687,7 +690,7 @@ class _CarryForward:
                                out=_chunk(self.new_values, c))
             torch.bmm(_chunk(q_decayed, i), S, out=o_chunk)
             _accumulate_bmm(o_chunk, _chunk(Aqk, i), vn)
-            self.o[:, c] = o_chunk.view(B, H, C, V).transpose(1, 2)
+            self.o[:, :, c] = o_chunk.view(B, H, C, V)
             _accumulate_bmm(torch.mul(_chunk(chunk_decay, i).mT, S, out=end),
                             _chunk(k_to_end, i).mT, vn)
 
@@ -700,7 +703,7 @@ class _CarryForward:
             out_states = self.states[NC].clone()
         else:
             out_states = self.end_states.permute(1, 2, 0, 3, 4)
-        return self.o.permute(0, 3, 1, 2, 4), out_states, (self.states[:NC], self.new_values)
+        return self.o, out_states, (self.states[:NC], self.new_values)
 
 
 class _CarryBackward:
