@@ -25,8 +25,8 @@ and the median over the runs is shown, once in wall-clock time and once in the t
 time (both the op and the probe): on a loaded machine the wall clock also counts the time the
 thread waits for a core, the CPU time only what it ran. The chunk form's FLOPs are counted
 analytically (chunk_flops: every matmul and triangular solve it runs, forward and backward,
-masked entries included) and checked against torch's FlopCounterMode, which counts the matmuls
-but not the triangular solves.
+masked entries included; the scores of keys after a row tile, which it never computes, not) and
+checked against torch's FlopCounterMode, which counts the matmuls but not the triangular solves.
 """
 
 from __future__ import annotations
@@ -100,15 +100,19 @@ def chunk_flops(T: int, H: int, K: int, V: int, C: int = CHUNK, solves: bool = T
     """FLOPs of kda_chunk's bounded form, forward + backward, B = 1, no states in or out
     (2 per multiply-add), as its matmuls and triangular solves run them, masked entries included.
 
-    Per chunk and head, forward: scores, [2C, K] x [K, C] over the n = C/16 row tiles (C rows of
-    q and C of k, each against all C keys: 4 C^2 K); the unit-triangular inverse (a solve against
-    I: C^3); U and W (2 C^2 V + 2 C^2 K); the state pass, W S and K^T Vn (4 C K V); the output,
-    (Q exp(G)) S and Aqk Vn (2 C K V + 2 C^2 V). Backward: two matmuls for each of the state
-    pass's and the output's (12 C K V + 4 C^2 V), then the custom backward: dweighted, dV and
-    d(k exp(G)) (4 C^2 V + 4 C^2 K), dM (two C^3 matmuls: 4 C^3), dkeys and drows (8 C^2 K).
+    Per chunk and head, forward: scores, [2t, K] x [K, 16 (a + 1)] for row tile a of the
+    n = C/16 (t = 16 rows of q and of k, each against the keys up to the end of the tile:
+    4 C K e, with e = C (n + 1) / (2 n) keys per row on average); the unit-triangular inverse
+    (a solve against I: C^3); U and W (2 C^2 V + 2 C^2 K); the state pass, W S and K^T Vn
+    (4 C K V); the output, (Q exp(G)) S and Aqk Vn (2 C K V + 2 C^2 V). Backward: two matmuls
+    for each of the state pass's and the output's (12 C K V + 4 C^2 V), then the custom
+    backward: dweighted, dV and d(k exp(G)) (4 C^2 V + 4 C^2 K), dM (two C^3 matmuls: 4 C^3),
+    dkeys and drows (8 C K e).
     """
-    fwd = 6 * C * C * K + 4 * C * C * V + 6 * C * K * V + (C ** 3 if solves else 0)
-    bwd = 12 * C * K * V + 8 * C * C * V + 12 * C * C * K + 4 * C ** 3
+    n = C // 16
+    scores = 4 * C * K * C * (n + 1) // (2 * n)
+    fwd = scores + 2 * C * C * K + 4 * C * C * V + 6 * C * K * V + (C ** 3 if solves else 0)
+    bwd = 12 * C * K * V + 8 * C * C * V + 4 * C * C * K + 2 * scores + 4 * C ** 3
     return (fwd + bwd) * -(-T // C) * H
 
 

@@ -27,10 +27,13 @@ With a gate bounded below by lower_bound in [-5, 0) (K3's gate), a 16-token sub-
 most exp(16 lower_bound) >= exp(-80), so every score factorises with the reference R_a = Gc at
 row 7 of row tile a: x_i exp(Gc_i - R_a) (within exp(+-40)) times k_j exp(R_a - Gc_j) (at most
 exp(40) up to the end of tile a, <= 1 before it, where it is floored at exp(-80): such a term
-stays below exp(-45)). Each row tile is then one dense matmul against all keys of the chunk, no
-[t, t, K] pairwise tensor. That form is a custom autograd function over blocks of chunks that
-keeps only its inputs, Akk and the WY inverse, and recomputes the factors in its backward.
-The state pass (both forms) is one too: it saves the state entering each chunk and Vn.
+stays below exp(-45)). Each row tile is then one dense matmul against the keys up to its end
+(the later ones are masked: neither their factors nor their scores are computed), no [t, t, K]
+pairwise tensor. That form is one custom autograd function over blocks of chunks, state pass
+included (each block's chunks are carried right after its intra-chunk work, and backward in
+reverse block by block): it keeps its inputs, Akk, the WY inverse and what the state pass needs
+(the state entering each chunk and Vn), and recomputes the factors in its backward. The exact
+form's state pass is a custom autograd function too, with the same saved tensors.
 """
 
 from __future__ import annotations
@@ -235,24 +238,23 @@ def _docs_layout(cu_seqlens: torch.Tensor, T: int, chunk: int) -> _ChunkLayout:
 
 
 def _to_chunks(x: torch.Tensor, layout: _ChunkLayout, chunk: int) -> torch.Tensor:
-    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32 or wider, zeros where no token lands,
-    stored chunk-major (a permuted view of [num_chunks, B, H, C, ...]): one copy here, and then
-    the state pass reads each chunk and the intra-chunk blocks read whole chunks without
-    copies."""
+    """[B, T, H, ...] -> [B, H, num_chunks, C, ...] fp32 or wider, zeros where no token lands:
+    a view of x, or of its padded or cast copy (token-major). No chunk-major copy of the whole
+    input: the bounded form copies one block of chunks at a time (it stays in cache), and a
+    32 MiB buffer at T = 16K would be fresh memory, page-faulted in on every step."""
     B, T, H, *rest = x.shape
     padded_T = layout.num_chunks * chunk
     if layout.token_index is not None:
         x = x.new_zeros(B, padded_T, H, *rest).index_copy(1, layout.token_index, x)
     elif T < padded_T:
         x = torch.cat([x, x.new_zeros(B, padded_T - T, H, *rest)], dim=1)
-    trailing = tuple(range(4, x.dim() + 1))
-    x = x.unflatten(1, (layout.num_chunks, chunk)).permute(1, 0, 3, 2, *trailing)
-    x = x.to(compute_dtype(x.dtype), memory_format=torch.contiguous_format)
-    return x.permute(1, 2, 0, 3, *trailing)
+    x = x.to(compute_dtype(x.dtype)).unflatten(1, (layout.num_chunks, chunk))
+    return x.permute(0, 3, 1, 2, *range(4, x.dim()))
 
 
 def _from_chunks(x: torch.Tensor, layout: _ChunkLayout, T: int) -> torch.Tensor:
-    """[B, H, num_chunks, C, V] -> [B, T, H, V] (one copy: the chunks are stored chunk-major)."""
+    """[B, H, num_chunks, C, V] -> [B, T, H, V] (a view for rows: the state pass stores its
+    output token-major)."""
     x = x.permute(0, 2, 3, 1, 4).flatten(1, 2)
     return x[:, :T] if layout.token_index is None else x.index_select(1, layout.token_index)
 
@@ -272,12 +274,14 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
         layout = _docs_layout(cu_seqlens, T, chunk)
     qc, kc, vc, gc = (_to_chunks(x, layout, chunk) for x in (q, k, v, g))
     bc = _to_chunks(beta.unsqueeze(-1), layout, chunk)
+    carried_in = _carried_in(qc, vc, initial_state, layout)
     if lower_bound is None:  # contiguous: elementwise results would keep a view's strides
         qc, kc, vc, gc, bc = (x.contiguous() for x in (qc, kc, vc, gc, bc))
         prepared = _intra_chunk(qc * scale, kc, vc, gc, bc, masks)  # scale in fp32, after the cast
+        o, chunk_end_states = _StatePass.apply(*prepared, *carried_in)
     else:
-        prepared = _BoundedIntraChunk.apply(qc, kc, vc, gc, bc, scale, lower_bound, masks)
-    o, chunk_end_states = _state_pass(*prepared, initial_state, layout)
+        o, chunk_end_states = _BoundedIntraChunk.apply(qc, kc, vc, gc, bc, *carried_in, scale,
+                                                      lower_bound, masks)
     o = _from_chunks(o, layout, T).to(q.dtype)
     if not output_final_state:
         return o, None
@@ -373,47 +377,78 @@ def _decayed_scores(q, k, G):
 
 
 class _BoundedIntraChunk(torch.autograd.Function):
-    """_intra_chunk for a gate with a safe lower bound (q not yet scaled): the decayed scores are
-    one dense matmul per row tile of two factors (see the module docstring). It keeps its inputs,
-    Akk and the WY inverse for the backward, which recomputes the factors; the other
-    intermediates never outlive a block of chunks: both passes run over blocks of about
-    _BLOCK_ELEMENTS elements per [.., C, K] tensor (all chunks of a block at once), so that
-    temporaries stay in cache and in the allocator's reused memory."""
+    """The chunk form for a gate with a safe lower bound (q not yet scaled): the intra-chunk
+    work, where the decayed scores are one dense matmul per row tile of two factors (see the
+    module docstring), then the state pass. It keeps its inputs, Akk, the WY inverse and what
+    the state pass's backward needs, and recomputes the factors in its backward. The
+    intra-chunk work runs over blocks of about _BLOCK_ELEMENTS elements per [.., C, K] tensor
+    (all chunks of a block at once), so that temporaries stay in cache and in the allocator's
+    reused memory, and the state pass carries each block's chunks right after it. The backward
+    runs the state pass's backward block by block in reverse and each block's intra-chunk
+    backward right after it: U and the gradients of the intra-chunk results (U, W, ...) exist
+    for one block at a time, not as buffers of the whole sequence (32 MiB each at T = 16K with
+    4 heads: fresh memory, page-faulted in on every step)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, lower_bound, masks: _SegmentMasks | None):
+    def forward(ctx, q, k, v, g, beta, state, inits, starts, scale, lower_bound,
+                masks: _SegmentMasks | None):
         inputs = (q, k, v, g, beta)
-        outputs = _by_blocks(_bounded_forward, inputs, (), scale, lower_bound, masks)
-        ctx.save_for_backward(*inputs, *outputs[-2:])  # Akk, inverse
+        NC = q.shape[2]
+        carry = _CarryForward(state, inits, starts, NC, q.shape[3])
+        kept = None  # what the backward needs: all but U, stored chunk-major
+        for block, block_masks in _blocks(q.shape, masks):
+            Aqk, U, *rest = _bounded_forward(*(_chunk_major(x[:, :, block]) for x in inputs),
+                                             scale, lower_bound, block_masks)
+            parts = (Aqk, *rest)  # W, q exp(G), exp(G_last - G) k, exp(G_last), Akk, inverse
+            if kept is None:
+                kept = [_from_chunk_major(x.new_empty(NC, *x.shape[1:])) for x in parts]
+            for result, part in zip(kept, parts):
+                result[:, :, block] = _from_chunk_major(part)
+            # The state pass over the block's chunks while its results are in cache.
+            carry.run(range(block.start, block.stop),
+                      *(_from_chunk_major(x) for x in (Aqk, U, *rest[:4])))
+        o, out_states, carry_saved = carry.results()
+        Aqk, W, q_decayed, k_to_end, chunk_decay, Akk, inverse = kept
+        ctx.save_for_backward(*inputs, Akk, inverse, Aqk, W, q_decayed, k_to_end, chunk_decay,
+                              *carry_saved, starts)
         ctx.scale, ctx.lower_bound, ctx.masks = scale, lower_bound, masks
-        return tuple(outputs[:-2])
+        ctx.inits_shape = None if inits is None else inits.shape
+        return o, out_states
 
     @staticmethod
-    def backward(ctx, *grads):
-        grads = _by_blocks(_bounded_backward, ctx.saved_tensors, grads, ctx.scale,
-                           ctx.lower_bound, ctx.masks)
-        return *grads, None, None, None
+    def backward(ctx, do, dout_states):
+        inputs, (Akk, inverse), carried = (ctx.saved_tensors[:5], ctx.saved_tensors[5:7],
+                                           ctx.saved_tensors[7:])
+        Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = carried
+        carry = _CarryBackward(*carried, do, dout_states,
+                               ctx.inits_shape if ctx.needs_input_grad[6] else None)
+        # Token-major like the inputs: the backward of _to_chunks is then a view, not a copy.
+        grads = [torch.empty_like(x) for x in inputs]
+        for block, block_masks in reversed(list(_blocks(inputs[0].shape, ctx.masks))):
+            n = block.stop - block.start
+            # The gradients of Aqk, U, W, q exp(G), exp(G_last - G) k and exp(G_last) for the
+            # block, chunk-major [n, B, H, ...].
+            local = [x.new_empty(n, *x.shape[:2], *x.shape[3:])
+                     for x in (Aqk, new_values, W, q_decayed, k_to_end, chunk_decay)]
+            carry.run(range(block.start, block.stop), [_from_chunk_major(x) for x in local])
+            parts = _bounded_backward(*(_chunk_major(x[:, :, block])
+                                        for x in (*inputs, Akk, inverse)),
+                                      *local, ctx.scale, ctx.lower_bound, block_masks)
+            for grad, part in zip(grads, parts):
+                grad[:, :, block] = _from_chunk_major(part)
+        return *grads, carry.initial_state_grad(), carry.dinits, None, None, None, None
 
 
-def _by_blocks(fn, tensors, more, scale, lower_bound, masks):
-    """fn over blocks of whole chunks (dimension 2 of every tensor), results put together. fn
-    sees each block chunk-major, [n, B, H, C, ...] (masks [n, 1, 1, C, ...]): contiguous for
-    chunk-major inputs, so elementwise results are contiguous and matmuls take the rows as
-    they are; the results are stored chunk-major as well."""
-    B, H, NC, C, K = tensors[0].shape
+def _blocks(shape, masks):
+    """Blocks of whole chunks of a [B, H, NC, C, K] tensor, about _BLOCK_ELEMENTS elements each,
+    with their masks ([n, 1, 1, C, ...])."""
+    B, H, NC, C, K = shape
     step = max(1, _BLOCK_ELEMENTS // (B * H * C * K))
-    results = None
     for start in range(0, NC, step):
         block = slice(start, min(start + step, NC))
         block_masks = None if masks is None else _SegmentMasks(
             *(m[block, None, None] for m in (masks.same, masks.continues, masks.in_last)))
-        parts = fn(*(_chunk_major(x[:, :, block]) for x in (*tensors, *more)), scale,
-                   lower_bound, block_masks)
-        if results is None:
-            results = [x.new_empty(NC, *x.shape[1:]) for x in parts]
-        for result, part in zip(results, parts):
-            result[block] = part
-    return [x.permute(1, 2, 0, *range(3, x.dim())) for x in results]
+        yield block, block_masks
 
 
 def _chunk_major(x):
@@ -421,16 +456,28 @@ def _chunk_major(x):
     return x.permute(2, 0, 1, *range(3, x.dim())).contiguous()
 
 
+def _from_chunk_major(x):
+    """[n, B, H, ...] -> [B, H, n, ...] (a view)."""
+    return x.permute(1, 2, 0, *range(3, x.dim()))
+
+
 def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
     """Returns Aqk, U, W, q exp(Gc), exp(Gc_last - Gc) k, exp(Gc_last), Akk and the inverse."""
     G = g.clamp(min=lower_bound).cumsum_(-2)
-    _, rows, key_decay = _tile_factors(q, k, G, lower_bound)
-    scores = rows @ key_decay.mul_(k.unsqueeze(-3)).mT  # [.., n, 2t, C]
-    del rows, key_decay
+    _, rows, refs = _tile_factors(q, k, G)
+    # Keys after row tile a are masked out of its scores: they stay 0, never computed.
+    Aqk = q.new_zeros(*q.shape[:-1], q.shape[-2])
+    Akk = torch.zeros_like(Aqk)
+    for tile, (rows_tile, key_decay) in enumerate(zip(rows.unbind(-3), _key_factors(G, refs))):
+        end = key_decay.shape[-2]
+        scores = rows_tile @ key_decay.mul_(k[..., :end, :]).mT  # [.., 2t, end]
+        tile_rows = slice(tile * SUB_TILE, end)
+        Aqk[..., tile_rows, :end] = scores[..., :SUB_TILE, :]
+        Akk[..., tile_rows, :end] = scores[..., SUB_TILE:, :]
+    del rows, scores, key_decay
     lower, strictly_lower = _score_masks(q.shape[-2], masks, q.device)
-    Aqk = _from_tiles(scores[..., :SUB_TILE, :]).mul_(scale).masked_fill_(~lower, 0.0)
-    Akk = _from_tiles(scores[..., SUB_TILE:, :]).masked_fill_(~strictly_lower, 0.0)
-    del scores
+    Aqk.mul_(scale).masked_fill_(~lower, 0.0)
+    Akk.masked_fill_(~strictly_lower, 0.0)
     # (I + Diag(beta) Akk)^-1, unit lower triangular; U and W are then plain matmuls.
     inverse = _unit_lower_inverse(beta * Akk)
     weighted = inverse * beta.mT  # = inverse @ Diag(beta)
@@ -477,12 +524,16 @@ def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, 
     del dM, dweighted
     # scores = rows @ keys^T per row tile, with the references held constant: the scores
     # depend on Gc only through differences, so that gradient is exact.
-    row, rows, key_decay = _tile_factors(q, k, G, lower_bound)
-    dscores = torch.stack([_to_tiles(dAqk), _to_tiles(dAkk)], dim=-3).flatten(-3, -2)
-    del dAqk, dAkk
-    dk_keys = (dscores.mT @ rows).mul_(key_decay).sum(-3)  # [.., C, K]
-    drows = dscores @ key_decay.mul_(k.unsqueeze(-3))  # [.., n, 2t, K]
-    del dscores, key_decay
+    row, rows, refs = _tile_factors(q, k, G)
+    dk_keys = torch.zeros_like(k)
+    drows = torch.empty_like(rows)  # [.., n, 2t, K]
+    for tile, (rows_tile, key_decay) in enumerate(zip(rows.unbind(-3), _key_factors(G, refs))):
+        end = key_decay.shape[-2]
+        tile_rows = slice(tile * SUB_TILE, end)
+        dscores = torch.cat([dAqk[..., tile_rows, :end], dAkk[..., tile_rows, :end]], dim=-2)
+        dk_keys[..., :end, :].addcmul_(dscores.mT @ rows_tile, key_decay)
+        drows[..., tile, :, :] = dscores @ key_decay.mul_(k[..., :end, :])
+    del dAqk, dAkk, dscores, key_decay
     drows, rows = drows.unflatten(-2, (2, SUB_TILE)), rows.unflatten(-2, (2, SUB_TILE))
     dG = _from_tiles((drows * rows).sum(-3)).addcmul_(dk_keys, k, value=-1)
     dq = _from_tiles(drows[..., 0, :, :] * row)
@@ -503,21 +554,26 @@ def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, 
     return dq, dk, dv, dg, dbeta
 
 
-def _tile_factors(q, k, G, lower_bound):
-    """The scores' factors, with R_a = Gc at row _TILE_REF of row tile a: row = exp(Gc_i - R_a)
-    for i in tile a ([.., n, t, K], within exp(-8, 7 * |lower_bound|)); rows [.., n, 2t, K], q
-    then k times row; key_decay[a, j] = exp(R_a - Gc_j) [.., n, C, K], exact up to the end of
-    tile a (<= exp(8 |lower_bound|)), floored at exp(-80) before it (the row factor is at most
-    exp(35), so a floored term stays below exp(-45)) and capped after it (masked later)."""
+def _tile_factors(q, k, G):
+    """The scores' row factors, with R_a = Gc at row _TILE_REF of row tile a: row =
+    exp(Gc_i - R_a) for i in tile a ([.., n, t, K], within exp(-8, 7 * |lower_bound|)); rows
+    [.., n, 2t, K], q then k times row; and the references R [.., n, 1, K]."""
     Gt = _to_tiles(G)
-    ref = Gt[..., _TILE_REF:_TILE_REF + 1, :]
-    row = (Gt - ref).exp_()
+    refs = Gt[..., _TILE_REF:_TILE_REF + 1, :]
+    row = (Gt - refs).exp_()
     rows = row.new_empty(*row.shape[:-2], 2, *row.shape[-2:])
     torch.mul(_to_tiles(q), row, out=rows[..., 0, :, :])
     torch.mul(_to_tiles(k), row, out=rows[..., 1, :, :])
-    cap = (SUB_TILE - 1 - _TILE_REF) * -lower_bound
-    key_decay = (ref - G.unsqueeze(-3)).clamp_(_EXP_FLOOR, cap).exp_()
-    return row, rows.flatten(-3, -2), key_decay
+    return row, rows.flatten(-3, -2), refs
+
+
+def _key_factors(G, refs):
+    """Per row tile a, the key factors exp(R_a - Gc_j) [.., 16 (a + 1), K] for the keys up to
+    the end of tile a (the later ones are masked out of its scores, so none is computed): at
+    most exp(8 |lower_bound|), floored at exp(-80) before the tile (the row factor is at most
+    exp(35), so a floored term stays below exp(-45))."""
+    for tile, ref in enumerate(refs.unbind(-3)):
+        yield _decay(ref - G[..., :(tile + 1) * SUB_TILE, :])
 
 
 def _to_tiles(x):
@@ -551,12 +607,12 @@ def _unit_lower_inverse(A):
     return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
 
 
-def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layout):
-    """Carries the state across chunks (the only sequential part). Returns the output chunks
-    [B, H, NC, C, V] and the state after each chunk [B, H, NC, K, V] for packed documents, after
-    the last chunk [B, H, K, V] for rows."""
-    B, H, _, _, K = W.shape
-    state = U.new_zeros(B, H, K, U.shape[-1])
+def _carried_in(qc, vc, initial_state, layout):
+    """What the state pass starts from: the state entering the first chunk [B, H, K, V], and for
+    packed documents the initial state of each chunk's document (None: zeros) and whether each
+    chunk starts one."""
+    B, H, _, _, K = qc.shape
+    state = qc.new_zeros(B, H, K, vc.shape[-1])
     starts = inits = None
     if layout.chunk_doc is None:
         if initial_state is not None:
@@ -565,80 +621,136 @@ def _state_pass(Aqk, U, W, q_decayed, k_to_end, chunk_decay, initial_state, layo
         starts = layout.chunk_starts_doc
         if initial_state is not None:
             inits = upcast(initial_state).index_select(0, layout.chunk_doc).unsqueeze(1)
-    return _StatePass.apply(Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts)
+    return state, inits, starts
 
 
 class _StatePass(torch.autograd.Function):
-    """Per chunk c: S_c (the state entering it; a chunk that starts a document loads inits[c],
-    zeros without inits), Vn_c = U_c - W_c S_c, O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and
-    S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every matmul of a chunk runs while its state is
-    in cache and writes (or accumulates) into preallocated buffers (no per-chunk autograd graph,
-    no copies: chunk-major inputs make each chunk's slice contiguous), and the backward runs the
-    loop in reverse from the saved S_c and Vn_c."""
+    """The state pass (_carry_forward) after the exact form's intra-chunk work; its backward
+    runs the loop in reverse from the saved S_c and Vn_c (_CarryBackward)."""
 
     @staticmethod
     def forward(ctx, Aqk, U, W, q_decayed, k_to_end, chunk_decay, state, inits, starts):
-        B, H, NC, C, V = U.shape
-        K = W.shape[-1]
-        # states[c] enters chunk c (chunk-major, like the inputs); states[NC] leaves the last.
-        states = U.new_empty(NC + 1, B, H, K, V)
-        states[0] = state
-        new_values = torch.empty_like(U)
-        o = torch.empty_like(U)
-        end_states = U.new_empty(NC, B, H, K, V) if starts is not None else states[1:]
-        zeros = U.new_zeros(())
-        for c in range(NC):
-            if starts is not None:  # the state carried in: end_states[c - 1], or the one given
-                carried = end_states[c - 1] if c else states[0]
-                torch.where(starts[c], zeros if inits is None else inits[c], carried,
-                            out=states[c])
-            S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
-            vn = torch.baddbmm(_chunk(U, c), _chunk(W, c), S, alpha=-1,
-                               out=_chunk(new_values, c))
-            o_c = torch.bmm(_chunk(q_decayed, c), S, out=_chunk(o, c))
-            _accumulate_bmm(o_c, _chunk(Aqk, c), vn)
-            _accumulate_bmm(torch.mul(_chunk(chunk_decay, c).mT, S, out=end),
-                            _chunk(k_to_end, c).mT, vn)
-        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, states[:NC], new_values,
-                              starts)
+        carry = _CarryForward(state, inits, starts, *U.shape[2:4])
+        carry.run(range(U.shape[2]), Aqk, U, W, q_decayed, k_to_end, chunk_decay)
+        o, out_states, saved = carry.results()
+        ctx.save_for_backward(Aqk, W, q_decayed, k_to_end, chunk_decay, *saved, starts)
         ctx.inits_shape = None if inits is None else inits.shape
-        return o, states[NC].clone() if starts is None else end_states.permute(1, 2, 0, 3, 4)
+        return o, out_states
 
     @staticmethod
-    def backward(ctx, do, dend_states):
-        Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values, starts = \
-            ctx.saved_tensors
-        NC = new_values.shape[2]
-        dAqk, dq_decayed = torch.empty_like(Aqk), torch.empty_like(q_decayed)
-        dU, dW, dk_to_end = torch.empty_like(new_values), torch.empty_like(W), torch.empty_like(W)
-        dchunk_decay = torch.empty_like(chunk_decay)
-        dinits = None
-        if ctx.needs_input_grad[7]:
-            dinits = start_states.new_zeros(ctx.inits_shape)
-        # The gradient of the state after chunk c, [B * H, K, V].
-        if starts is None:
-            dstate = dend_states.flatten(0, 1).clone()
+    def backward(ctx, do, dout_states):
+        Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = ctx.saved_tensors
+        carry = _CarryBackward(*ctx.saved_tensors, do, dout_states,
+                               ctx.inits_shape if ctx.needs_input_grad[7] else None)
+        grads = [torch.empty_like(x) for x in (Aqk, new_values, W, q_decayed, k_to_end,
+                                               chunk_decay)]
+        carry.run(range(new_values.shape[2]), grads)
+        return *grads, carry.initial_state_grad(), carry.dinits, None
+
+
+class _CarryForward:
+    """Carries the state across chunks (the only sequential part): `run` over consecutive
+    ranges of chunks in order, each given that range's Aqk, U, W, q exp(G), exp(G_last - G) k
+    and exp(G_last) [B, H, n, ...]. Per chunk c: S_c (the state entering it; a chunk that starts
+    a document loads inits[c], zeros without inits), Vn_c = U_c - W_c S_c,
+    O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every
+    matmul of a chunk runs while its state is in cache and writes (or accumulates) into
+    preallocated buffers (no per-chunk autograd graph; chunk-major inputs make each chunk's
+    slice contiguous)."""
+
+    def __init__(self, state, inits, starts, num_chunks, chunk):
+        B, H, K, V = state.shape
+        self.inits, self.starts = inits, starts
+        # states[c] enters chunk c (chunk-major, like the inputs); states[NC] leaves the last.
+        self.states = state.new_empty(num_chunks + 1, B, H, K, V)
+        self.states[0] = state
+        self.new_values = _from_chunk_major(state.new_empty(num_chunks, B, H, chunk, V))
+        # o [B, H, NC, C, V] stored token-major, so that _from_chunks is a view, and not itself
+        # a view (autograd refuses in-place ops on views of a custom function's outputs): each
+        # chunk's output is computed in a scratch buffer that stays in cache, then copied.
+        self.o = torch.empty_strided(
+            (B, H, num_chunks, chunk, V), (num_chunks * chunk * H * V, V, chunk * H * V, H * V, 1),
+            dtype=state.dtype, device=state.device)
+        self.o_chunk = state.new_empty(B * H, chunk, V)
+        self.end_states = (state.new_empty(num_chunks, B, H, K, V) if starts is not None
+                           else self.states[1:])
+
+    def run(self, chunks: range, Aqk, U, W, q_decayed, k_to_end, chunk_decay):
+        starts, states, end_states, o_chunk = self.starts, self.states, self.end_states, \
+            self.o_chunk
+        B, H, _, C, V = self.o.shape
+        for c in chunks:
+            i = c - chunks.start
+            if starts is not None:  # the state carried in: end_states[c - 1], or the one given
+                carried = end_states[c - 1] if c else states[0]
+                loaded = states.new_zeros(()) if self.inits is None else self.inits[c]
+                torch.where(starts[c], loaded, carried, out=states[c])
+            S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
+            vn = torch.baddbmm(_chunk(U, i), _chunk(W, i), S, alpha=-1,
+                               out=_chunk(self.new_values, c))
+            torch.bmm(_chunk(q_decayed, i), S, out=o_chunk)
+            _accumulate_bmm(o_chunk, _chunk(Aqk, i), vn)
+            self.o[:, :, c] = o_chunk.view(B, H, C, V)
+            _accumulate_bmm(torch.mul(_chunk(chunk_decay, i).mT, S, out=end),
+                            _chunk(k_to_end, i).mT, vn)
+
+    def results(self):
+        """o [B, H, NC, C, V], the state after each chunk [B, H, NC, K, V] for packed documents
+        or after the last [B, H, K, V] for rows, and what the backward needs: the states
+        entering the chunks and Vn."""
+        NC = self.new_values.shape[2]
+        if self.starts is None:
+            out_states = self.states[NC].clone()
         else:
-            dstate = torch.zeros_like(dend_states[:, :, 0]).flatten(0, 1)
-        for c in reversed(range(NC)):
+            out_states = self.end_states.permute(1, 2, 0, 3, 4)
+        return self.o, out_states, (self.states[:NC], self.new_values)
+
+
+class _CarryBackward:
+    """The state pass's backward, chunk by chunk in reverse order: `run` over any descending
+    sequence of ranges of chunks, each writing the gradients of its chunks' Aqk, U, W,
+    q exp(G), exp(G_last - G) k and exp(G_last) into buffers [B, H, n, ...] for that range.
+    It carries dstate, the gradient of the state after the chunk being processed, [B * H, K, V]
+    (and with packed documents the initial states' gradients, dinits)."""
+
+    def __init__(self, Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values,
+                 starts, do, dout_states, inits_shape):
+        self.Aqk, self.W, self.q_decayed, self.k_to_end = Aqk, W, q_decayed, k_to_end
+        self.chunk_decay, self.start_states, self.new_values = chunk_decay, start_states, new_values
+        self.starts, self.do, self.dout_states = starts, do, dout_states
+        self.dinits = None if inits_shape is None else start_states.new_zeros(inits_shape)
+        if starts is None:
+            self.dstate = dout_states.flatten(0, 1).clone()
+        else:
+            self.dstate = torch.zeros_like(dout_states[:, :, 0]).flatten(0, 1)
+
+    def run(self, chunks: range, grads):
+        dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay = grads
+        starts, dstate = self.starts, self.dstate
+        for c in reversed(chunks):
+            i = c - chunks.start
             if starts is not None:
-                dstate += _chunk(dend_states, c)
-            S, vn, do_c = start_states[c].flatten(0, 1), _chunk(new_values, c), _chunk(do, c)
-            torch.bmm(do_c, vn.mT, out=_chunk(dAqk, c))
-            torch.bmm(do_c, S.mT, out=_chunk(dq_decayed, c))
-            torch.bmm(vn, dstate.mT, out=_chunk(dk_to_end, c))
-            torch.sum(dstate * S, -1, keepdim=True, out=_chunk(dchunk_decay, c).mT)
-            dvn = torch.bmm(_chunk(Aqk, c).mT, do_c, out=_chunk(dU, c))
-            _accumulate_bmm(dvn, _chunk(k_to_end, c), dstate)
-            torch.bmm(dvn, S.mT, out=_chunk(dW, c)).neg_()
-            _accumulate_bmm(dstate.mul_(_chunk(chunk_decay, c).mT), _chunk(q_decayed, c).mT, do_c)
-            _accumulate_bmm(dstate, _chunk(W, c).mT, dvn, alpha=-1)
+                dstate += _chunk(self.dout_states, c)
+            S, vn = self.start_states[c].flatten(0, 1), _chunk(self.new_values, c)
+            do_c = _chunk(self.do, c)
+            torch.bmm(do_c, vn.mT, out=_chunk(dAqk, i))
+            torch.bmm(do_c, S.mT, out=_chunk(dq_decayed, i))
+            torch.bmm(vn, dstate.mT, out=_chunk(dk_to_end, i))
+            torch.sum(dstate * S, -1, keepdim=True, out=_chunk(dchunk_decay, i).mT)
+            dvn = torch.bmm(_chunk(self.Aqk, c).mT, do_c, out=_chunk(dU, i))
+            _accumulate_bmm(dvn, _chunk(self.k_to_end, c), dstate)
+            torch.bmm(dvn, S.mT, out=_chunk(dW, i)).neg_()
+            _accumulate_bmm(dstate.mul_(_chunk(self.chunk_decay, c).mT),
+                            _chunk(self.q_decayed, c).mT, do_c)
+            _accumulate_bmm(dstate, _chunk(self.W, c).mT, dvn, alpha=-1)
             if starts is not None:  # a loaded initial state cuts the carried one off
-                if dinits is not None:
-                    dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(dinits[c])
+                if self.dinits is not None:
+                    self.dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(self.dinits[c])
                 dstate = torch.where(starts[c], 0.0, dstate)
-        dstate = dstate.view_as(start_states[0])
-        return dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay, dstate, dinits, None
+        self.dstate = dstate
+
+    def initial_state_grad(self):
+        return self.dstate.view_as(self.start_states[0])
 
 
 def _accumulate_bmm(out, a, b, alpha=1):
