@@ -354,6 +354,21 @@ def test_bf16_autocast_leaves_the_fp32_island_alone(lower_bound):
         torch.testing.assert_close(autocast[name], value, rtol=0, atol=0, msg=name)
 
 
+@both_forms
+def test_output_takes_in_place_ops(lower_bound):
+    # The output is a tensor of its own, not a view of the autograd function's result (autograd
+    # refuses in-place ops on those): a caller may scale it in place and still differentiate.
+    inputs = make_inputs(B=1, T=70)
+    o, _ = kda_chunk(**inputs, lower_bound=lower_bound)
+    o.mul_(2).sum().backward()
+    ref = make_inputs(B=1, T=70)
+    for name, x in ref.items():
+        x.data.copy_(inputs[name].detach())
+    (2 * kda_chunk(**ref, lower_bound=lower_bound)[0]).sum().backward()
+    for name, x in inputs.items():
+        torch.testing.assert_close(x.grad, ref[name].grad, rtol=0, atol=0, msg=name)
+
+
 def test_argument_validation():
     inputs = {name: x.detach() for name, x in make_inputs(B=2, T=20).items()}
     with pytest.raises(ValueError, match="chunk_size"):
