@@ -9,6 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _same_document(segments: torch.Tensor, shift: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, 1]: 1 where position t - shift exists and is in t's document, else 0."""
+    prev = F.pad(segments, (shift, 0), value=-1)[:, : segments.shape[1]]
+    return (prev == segments).unsqueeze(-1).to(dtype)
+
+
+def _shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """x[t - shift] at t (zeros before the start)."""
+    return F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
+
+
 def doc_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
                       segments: torch.Tensor | None) -> torch.Tensor:
     """y[t] = sum_i weight[:, K-1-i] * x[t-i], only over inputs of the same document as t.
@@ -19,13 +30,53 @@ def doc_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
     kernel = weight.shape[-1]
     y = x * weight[:, kernel - 1]
     for shift in range(1, kernel):
-        shifted = F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
-        term = shifted * weight[:, kernel - 1 - shift]
+        term = _shifted(x, shift) * weight[:, kernel - 1 - shift]
         if segments is not None:
-            prev = F.pad(segments, (shift, 0), value=-1)[:, : x.shape[1]]
-            term = term * (prev == segments).unsqueeze(-1).to(x.dtype)
+            term = term * _same_document(segments, shift, x.dtype)
         y = y + term
     return y
+
+
+def doc_causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor,
+                                     segments: torch.Tensor | None) -> torch.Tensor:
+    """silu(doc_causal_conv1d(...)) in plain torch ops (autograd keeps the shifted inputs, the
+    terms and the pre-activation): `doc_causal_conv1d_silu`'s reference."""
+    return F.silu(doc_causal_conv1d(x, weight, segments))
+
+
+class _DocCausalConv1dSiLU(torch.autograd.Function):
+    """Saves x, the weight and the document ids and recomputes the convolution in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, segments):
+        ctx.save_for_backward(x, weight, segments)
+        return doc_causal_conv1d_silu_reference(x, weight, segments)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, segments = ctx.saved_tensors
+        pre = doc_causal_conv1d(x, weight, segments)
+        sigmoid = torch.sigmoid(pre)
+        grad_pre = grad_out * sigmoid * (1 + pre * (1 - sigmoid))  # silu'
+        kernel = weight.shape[-1]
+        grad_x = torch.zeros_like(grad_pre)
+        grad_weight = []  # by shift: column kernel - 1 - shift
+        for shift in range(kernel):
+            grad_term = grad_pre
+            if segments is not None and shift > 0:
+                grad_term = grad_term * _same_document(segments, shift, x.dtype)
+            grad_weight.append((grad_term * _shifted(x, shift)).sum((0, 1)))
+            # y[t] read x[t - shift]: x[t] gets y[t + shift]'s gradient.
+            from_later = grad_term[:, shift:] * weight[:, kernel - 1 - shift]
+            grad_x = grad_x + F.pad(from_later, (0, 0, 0, shift))
+        grad_weight = torch.stack(grad_weight[::-1], dim=-1)
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+def doc_causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor,
+                           segments: torch.Tensor | None) -> torch.Tensor:
+    """silu(doc_causal_conv1d(x, weight, segments)), saving only x, the weight and the ids."""
+    return _DocCausalConv1dSiLU.apply(x, weight, segments)
 
 
 class ShortConv(nn.Module):
@@ -45,7 +96,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         if self.halo is None:
-            return F.silu(doc_causal_conv1d(x, self.weight, segments))
+            return doc_causal_conv1d_silu(x, self.weight, segments)
         width = self.weight.shape[-1] - 1
         x, segments = self.halo(x, segments, width)
-        return F.silu(doc_causal_conv1d(x, self.weight, segments)[:, width:])
+        return doc_causal_conv1d_silu(x, self.weight, segments)[:, width:]
