@@ -59,16 +59,15 @@ class _DocCausalConv1dSiLU(torch.autograd.Function):
         sigmoid = torch.sigmoid(pre)
         grad_pre = grad_out * sigmoid * (1 + pre * (1 - sigmoid))  # silu'
         kernel = weight.shape[-1]
-        grad_x = torch.zeros_like(grad_pre)
-        grad_weight = []  # by shift: column kernel - 1 - shift
-        for shift in range(kernel):
+        grad_x = grad_pre * weight[:, kernel - 1]
+        grad_weight = [(grad_pre * x).sum((0, 1))]  # by shift: column kernel - 1 - shift
+        for shift in range(1, kernel):
             grad_term = grad_pre
-            if segments is not None and shift > 0:
+            if segments is not None:
                 grad_term = grad_term * _same_document(segments, shift, x.dtype)
             grad_weight.append((grad_term * _shifted(x, shift)).sum((0, 1)))
             # y[t] read x[t - shift]: x[t] gets y[t + shift]'s gradient.
-            from_later = grad_term[:, shift:] * weight[:, kernel - 1 - shift]
-            grad_x = grad_x + F.pad(from_later, (0, 0, 0, shift))
+            grad_x[:, :-shift] += grad_term[:, shift:] * weight[:, kernel - 1 - shift]
         grad_weight = torch.stack(grad_weight[::-1], dim=-1)
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
