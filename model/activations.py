@@ -38,15 +38,18 @@ class _SiTUGLU(torch.autograd.Function):
         beta_gate, beta_up = ctx.betas
         dtype = _compute_dtype(gate.dtype)
         g, u, grad = gate.to(dtype), up.to(dtype), grad_out.to(dtype)
+        # In place where a buffer is free: the recomputation is most of this function's time.
+        sigmoid_gate = torch.sigmoid(g)
         tanh_gate = torch.tanh(g / beta_gate)
         tanh_up = torch.tanh(u / beta_up)
-        sigmoid_gate = torch.sigmoid(g)
-        capped_gate = beta_gate * tanh_gate
-        capped_up = beta_up * tanh_up
+        grad_sigmoid = grad * sigmoid_gate
+        capped_gate = tanh_gate * beta_gate
         # d/dx beta tanh(x / beta) = 1 - tanh^2; d/dx sigmoid = sigmoid (1 - sigmoid).
-        d_gate = sigmoid_gate * ((1 - tanh_gate * tanh_gate) + capped_gate * (1 - sigmoid_gate))
-        grad_gate = grad * capped_up * d_gate
-        grad_up = grad * capped_gate * sigmoid_gate * (1 - tanh_up * tanh_up)
+        grad_up = torch.addcmul(torch.ones((), dtype=dtype), tanh_up, tanh_up, value=-1)
+        grad_up.mul_(capped_gate).mul_(grad_sigmoid)
+        d_gate = sigmoid_gate.neg_().add_(1).mul_(capped_gate)  # capped_gate (1 - sigmoid)
+        d_gate.addcmul_(tanh_gate, tanh_gate, value=-1).add_(1)
+        grad_gate = d_gate.mul_(tanh_up).mul_(grad_sigmoid).mul_(beta_up)
         return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
 
 

@@ -20,6 +20,25 @@ def _shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
     return F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
 
 
+def _shifts(x: torch.Tensor, segments: torch.Tensor | None, kernel: int):
+    """(shift, x[t - shift], its same-document mask or None) for shift = 0 .. kernel - 1."""
+    yield 0, x, None
+    for shift in range(1, kernel):
+        mask = None if segments is None else _same_document(segments, shift, x.dtype)
+        yield shift, _shifted(x, shift), mask
+
+
+def _conv(weight: torch.Tensor, shifts) -> torch.Tensor:
+    kernel = weight.shape[-1]
+    y = None
+    for shift, shifted, mask in shifts:
+        term = shifted * weight[:, kernel - 1 - shift]
+        if mask is not None:
+            term = term * mask
+        y = term if y is None else y + term
+    return y
+
+
 def doc_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
                       segments: torch.Tensor | None) -> torch.Tensor:
     """y[t] = sum_i weight[:, K-1-i] * x[t-i], only over inputs of the same document as t.
@@ -27,14 +46,7 @@ def doc_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
     x [B, T, C], weight [C, K], segments [B, T] document ids or None (one document per row).
     Written as K shifted multiply-adds: static shapes, and the masking needs no gather.
     """
-    kernel = weight.shape[-1]
-    y = x * weight[:, kernel - 1]
-    for shift in range(1, kernel):
-        term = _shifted(x, shift) * weight[:, kernel - 1 - shift]
-        if segments is not None:
-            term = term * _same_document(segments, shift, x.dtype)
-        y = y + term
-    return y
+    return _conv(weight, _shifts(x, segments, weight.shape[-1]))
 
 
 def doc_causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor,
@@ -55,19 +67,19 @@ class _DocCausalConv1dSiLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, segments = ctx.saved_tensors
-        pre = doc_causal_conv1d(x, weight, segments)
-        sigmoid = torch.sigmoid(pre)
-        grad_pre = grad_out * sigmoid * (1 + pre * (1 - sigmoid))  # silu'
         kernel = weight.shape[-1]
-        grad_x = grad_pre * weight[:, kernel - 1]
-        grad_weight = [(grad_pre * x).sum((0, 1))]  # by shift: column kernel - 1 - shift
-        for shift in range(1, kernel):
-            grad_term = grad_pre
-            if segments is not None:
-                grad_term = grad_term * _same_document(segments, shift, x.dtype)
-            grad_weight.append((grad_term * _shifted(x, shift)).sum((0, 1)))
+        shifts = list(_shifts(x, segments, kernel))  # kept for the weight's gradient
+        grad_pre = torch.ops.aten.silu_backward(grad_out, _conv(weight, shifts))
+        grad_x, grad_weight = None, []  # grad_weight by shift: column kernel - 1 - shift
+        for shift, shifted, mask in shifts:
+            grad_term = grad_pre if mask is None else grad_pre * mask
+            grad_weight.append((grad_term * shifted).sum((0, 1)))
             # y[t] read x[t - shift]: x[t] gets y[t + shift]'s gradient.
-            grad_x[:, :-shift] += grad_term[:, shift:] * weight[:, kernel - 1 - shift]
+            from_later = grad_term[:, shift:] * weight[:, kernel - 1 - shift]
+            if grad_x is None:
+                grad_x = from_later
+            else:
+                grad_x[:, :-shift] += from_later
         grad_weight = torch.stack(grad_weight[::-1], dim=-1)
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
