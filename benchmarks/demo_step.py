@@ -57,7 +57,7 @@ def run_demo(checkout: Path, work: Path, steps: int, threads: int,
     return {"step_time_s": statistics.median(r["step_time_s"] for r in timed),
             "mfu": statistics.median(r["mfu"] for r in timed),
             "rss_first_gib": first_rss / 2**20, "rss_gib": rss / 2**20,
-            "loss_last": rows[-1]["loss"]}
+            "losses": [r["loss"] for r in rows]}
 
 
 def profile_one_step(threads: int) -> None:
@@ -125,9 +125,14 @@ def main() -> None:
           f"{'last loss':>10}")
     for name, r in results.items():
         print(f"{name:<22} {r['step_time_s']:>9.3f} {r['mfu']:>7.1%} {r['rss_first_gib']:>10.2f} "
-              f"{r['rss_gib']:>10.2f} {r['loss_last']:>10.4f}")
+              f"{r['rss_gib']:>10.2f} {r['losses'][-1]:>10.4f}")
+    print("losses of the first steps (results must not change):")
+    for name, r in results.items():
+        print(f"{name:<22} " + " ".join(f"{loss:.6f}" for loss in r["losses"][:3]))
     if args.baseline:
         base, cur = results[f"baseline {args.baseline}"], results["this checkout"]
+        gap = max(abs(a - b) for a, b in zip(base["losses"][:3], cur["losses"][:3]))
+        print(f"first losses: max |this - baseline| = {gap:.3g} (as logged in metrics.jsonl)")
         print(f"speed-up {base['step_time_s'] / cur['step_time_s']:.2f}x, "
               f"training RSS {cur['rss_gib'] / base['rss_gib']:.2f}x of the baseline")
     if args.profile:

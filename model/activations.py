@@ -9,20 +9,60 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0,
-             beta_up: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU: beta_g tanh(g / beta_g) * sigmoid(g) * beta_u tanh(u / beta_u).
-
-    The tanh soft-caps bound the output by beta_gate * beta_up (100 for K3) whatever the input,
-    which is what keeps the expert activations stable; near zero tanh(x / beta) * beta = x, so it
-    is SwiGLU to first order. Computed in (at least) fp32, returned in the input dtype.
-    """
+def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0,
+                       beta_up: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU in plain torch ops (autograd keeps every intermediate): `situ_glu`'s reference."""
     dtype = _compute_dtype(gate.dtype)
     g = gate.to(dtype)
     u = up.to(dtype)
     capped_gate = beta_gate * torch.tanh(g / beta_gate)
     capped_up = beta_up * torch.tanh(u / beta_up)
     return (capped_gate * torch.sigmoid(g) * capped_up).to(gate.dtype)
+
+
+class _SiTUGLU(torch.autograd.Function):
+    """Saves only gate and up (in their own dtype; the dense MLP's are two views of one Linear
+    output) and recomputes the tanh and sigmoid in backward: the plain form keeps five or six
+    fp32 tensors of the activation's size for autograd."""
+
+    @staticmethod
+    def forward(ctx, gate, up, beta_gate, beta_up):
+        ctx.save_for_backward(gate, up)
+        ctx.betas = beta_gate, beta_up
+        # The reference's ops in its order: the forward is bitwise the same.
+        return situ_glu_reference(gate, up, beta_gate, beta_up)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        beta_gate, beta_up = ctx.betas
+        dtype = _compute_dtype(gate.dtype)
+        g, u, grad = gate.to(dtype), up.to(dtype), grad_out.to(dtype)
+        # In place where a buffer is free: the recomputation is most of this function's time.
+        sigmoid_gate = torch.sigmoid(g)
+        tanh_gate = torch.tanh(g / beta_gate)
+        tanh_up = torch.tanh(u / beta_up)
+        grad_sigmoid = grad * sigmoid_gate
+        capped_gate = tanh_gate * beta_gate
+        # d/dx beta tanh(x / beta) = 1 - tanh^2; d/dx sigmoid = sigmoid (1 - sigmoid).
+        grad_up = torch.addcmul(torch.ones((), dtype=dtype), tanh_up, tanh_up, value=-1)
+        grad_up.mul_(capped_gate).mul_(grad_sigmoid)
+        d_gate = sigmoid_gate.neg_().add_(1).mul_(capped_gate)  # capped_gate (1 - sigmoid)
+        d_gate.addcmul_(tanh_gate, tanh_gate, value=-1).add_(1)
+        grad_gate = d_gate.mul_(tanh_up).mul_(grad_sigmoid).mul_(beta_up)
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0,
+             beta_up: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU: beta_g tanh(g / beta_g) * sigmoid(g) * beta_u tanh(u / beta_u).
+
+    The tanh soft-caps bound the output by beta_gate * beta_up (100 for K3) whatever the input,
+    which is what keeps the expert activations stable; near zero tanh(x / beta) * beta = x, so it
+    is SwiGLU to first order. Computed in (at least) fp32, returned in the input dtype; saves
+    only its inputs for backward (`situ_glu_reference` is the plain form).
+    """
+    return _SiTUGLU.apply(gate, up, beta_gate, beta_up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,51 @@ from torch import nn
 from .dtypes import upcast
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 (float64 for float64 input) and cast back to the input dtype."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm in plain torch ops (autograd keeps every intermediate): `rms_norm`'s reference."""
     x32 = upcast(x)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(x32.dtype)
     return y.to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Saves x (in its own dtype), the weight and the per-row 1 / rms (1 / dim of x's bytes)
+    and recomputes the normalised x in backward: the plain form keeps x upcast, x^2 and the
+    normalised x for autograd, fp32 copies of x's size for a bf16 x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = upcast(x)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        # The reference's ops in its order: the forward is bitwise the same.
+        y = x32 * rstd
+        if weight is not None:
+            y = y * weight.to(x32.dtype)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = upcast(x) * rstd
+        grad = grad_out.to(x_hat.dtype)
+        grad_weight = None
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                rows = tuple(range(grad.dim() - 1))
+                grad_weight = (grad * x_hat).sum(rows).to(weight.dtype)
+            grad = grad * weight.to(x_hat.dtype)
+        # d x_hat / dx: rstd (g - x_hat mean(g x_hat)), the projection off x's direction.
+        grad_x = rstd * (grad - x_hat * (grad * x_hat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 (float64 for float64 input) and cast back to the input dtype;
+    saves only x, the weight and 1 / rms for backward (`rms_norm_reference` is the plain form)."""
+    return _RMSNorm.apply(x, weight, eps)
 
 
 class RMSNorm(nn.Module):

@@ -9,6 +9,36 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _same_document(segments: torch.Tensor, shift: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, 1]: 1 where position t - shift exists and is in t's document, else 0."""
+    prev = F.pad(segments, (shift, 0), value=-1)[:, : segments.shape[1]]
+    return (prev == segments).unsqueeze(-1).to(dtype)
+
+
+def _shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """x[t - shift] at t (zeros before the start)."""
+    return F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
+
+
+def _shifts(x: torch.Tensor, segments: torch.Tensor | None, kernel: int):
+    """(shift, x[t - shift], its same-document mask or None) for shift = 0 .. kernel - 1."""
+    yield 0, x, None
+    for shift in range(1, kernel):
+        mask = None if segments is None else _same_document(segments, shift, x.dtype)
+        yield shift, _shifted(x, shift), mask
+
+
+def _conv(weight: torch.Tensor, shifts) -> torch.Tensor:
+    kernel = weight.shape[-1]
+    y = None
+    for shift, shifted, mask in shifts:
+        term = shifted * weight[:, kernel - 1 - shift]
+        if mask is not None:
+            term = term * mask
+        y = term if y is None else y + term
+    return y
+
+
 def doc_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
                       segments: torch.Tensor | None) -> torch.Tensor:
     """y[t] = sum_i weight[:, K-1-i] * x[t-i], only over inputs of the same document as t.
@@ -16,16 +46,48 @@ def doc_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
     x [B, T, C], weight [C, K], segments [B, T] document ids or None (one document per row).
     Written as K shifted multiply-adds: static shapes, and the masking needs no gather.
     """
-    kernel = weight.shape[-1]
-    y = x * weight[:, kernel - 1]
-    for shift in range(1, kernel):
-        shifted = F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
-        term = shifted * weight[:, kernel - 1 - shift]
-        if segments is not None:
-            prev = F.pad(segments, (shift, 0), value=-1)[:, : x.shape[1]]
-            term = term * (prev == segments).unsqueeze(-1).to(x.dtype)
-        y = y + term
-    return y
+    return _conv(weight, _shifts(x, segments, weight.shape[-1]))
+
+
+def doc_causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor,
+                                     segments: torch.Tensor | None) -> torch.Tensor:
+    """silu(doc_causal_conv1d(...)) in plain torch ops (autograd keeps the shifted inputs, the
+    terms and the pre-activation): `doc_causal_conv1d_silu`'s reference."""
+    return F.silu(doc_causal_conv1d(x, weight, segments))
+
+
+class _DocCausalConv1dSiLU(torch.autograd.Function):
+    """Saves x, the weight and the document ids and recomputes the convolution in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, segments):
+        ctx.save_for_backward(x, weight, segments)
+        return doc_causal_conv1d_silu_reference(x, weight, segments)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, segments = ctx.saved_tensors
+        kernel = weight.shape[-1]
+        shifts = list(_shifts(x, segments, kernel))  # kept for the weight's gradient
+        grad_pre = torch.ops.aten.silu_backward(grad_out, _conv(weight, shifts))
+        grad_x, grad_weight = None, []  # grad_weight by shift: column kernel - 1 - shift
+        for shift, shifted, mask in shifts:
+            grad_term = grad_pre if mask is None else grad_pre * mask
+            grad_weight.append((grad_term * shifted).sum((0, 1)))
+            # y[t] read x[t - shift]: x[t] gets y[t + shift]'s gradient.
+            from_later = grad_term[:, shift:] * weight[:, kernel - 1 - shift]
+            if grad_x is None:
+                grad_x = from_later
+            else:
+                grad_x[:, :-shift] += from_later
+        grad_weight = torch.stack(grad_weight[::-1], dim=-1)
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+def doc_causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor,
+                           segments: torch.Tensor | None) -> torch.Tensor:
+    """silu(doc_causal_conv1d(x, weight, segments)), saving only x, the weight and the ids."""
+    return _DocCausalConv1dSiLU.apply(x, weight, segments)
 
 
 class ShortConv(nn.Module):
@@ -45,7 +107,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         if self.halo is None:
-            return F.silu(doc_causal_conv1d(x, self.weight, segments))
+            return doc_causal_conv1d_silu(x, self.weight, segments)
         width = self.weight.shape[-1] - 1
         x, segments = self.halo(x, segments, width)
-        return F.silu(doc_causal_conv1d(x, self.weight, segments)[:, width:])
+        return doc_causal_conv1d_silu(x, self.weight, segments)[:, width:]

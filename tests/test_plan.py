@@ -89,7 +89,7 @@ def test_long_context_memory_fit_equals_the_trace():
 def test_long_context_plan_says_which_context_stages_fit_an_h200():
     out = subprocess.run([sys.executable, "-m", "train.plan", "--json", "--long-context",
                           "model=k3_full", "parallel.tensor=8", "parallel.expert=64",
-                          "parallel.pipeline=8", "parallel.context=16", "parallel.data=4",
+                          "parallel.pipeline=8", "parallel.context=8", "parallel.data=8",
                           "stage.micro_batch_size=1", "activation_checkpointing=true"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
@@ -100,7 +100,9 @@ def test_long_context_plan_says_which_context_stages_fit_an_h200():
     # weights, gradients and optimizer states do not depend on the context; activations do
     assert len({round(r["total_gib"] - r["activations_gib"], 6) for r in rows}) == 1
     assert [r["fits_h200"] for r in rows] == [t * 2**30 <= 0.9 * 141e9 for t in totals]
-    assert [r["fits_h200"] for r in rows] == [True, True, True, False]  # 1M needs more CP
+    # 1M needs more CP here (at CP16 it fits, 111 GiB, since the norms, SiTU-GLU and short
+    # convolutions save only their inputs)
+    assert [r["fits_h200"] for r in rows] == [True, True, True, False]
 
 
 @pytest.mark.parametrize("module", ["train.plan", "slurm.submit"])

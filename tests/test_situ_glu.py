@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from model.activations import situ_glu, swiglu
+from model.activations import situ_glu, situ_glu_reference, swiglu
 from model.mlp import SiTUGLUMLP
 from tests.tolerances import assert_close_rms
+from train.saved_activations import SavedBytes
 
 
 def _grid() -> torch.Tensor:
@@ -66,3 +67,60 @@ def test_mlp_is_down_of_situ_glu_of_gate_and_up_rows():
     assert_close_rms(expected, mlp(x), 1e-6, "mlp forward")
     assert mlp.gate_up.bias is None and mlp.down.bias is None
     assert mlp.down.weight.std().item() == pytest.approx(0.5, rel=0.1)
+
+
+def _forward_backward(fn, gate, up, grad_out, **betas):
+    gate, up = (t.detach().clone().requires_grad_() for t in (gate, up))
+    out = fn(gate, up, **betas)
+    out.backward(grad_out)
+    return out, gate.grad, up.grad
+
+
+def _activation_inputs(dtype):
+    """Gates from 1e-2 to 1e3 in scale (both saturations of tanh and sigmoid), ups to +-100."""
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-2, 3, 96, dtype=torch.float64)
+    gate = torch.randn(64, 96, dtype=torch.float64, generator=gen) * scale
+    up = torch.randn(64, 96, dtype=torch.float64, generator=gen) * 30
+    grad_out = torch.randn(64, 96, dtype=torch.float64, generator=gen)
+    return gate.to(dtype), up.to(dtype), grad_out.to(dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("betas", [{}, {"beta_gate": 2.0, "beta_up": 3.0}])
+def test_fused_matches_reference_forward_and_backward(dtype, tol, betas):
+    gate, up, grad_out = _activation_inputs(dtype)
+    fused = _forward_backward(situ_glu, gate, up, grad_out, **betas)
+    reference = _forward_backward(situ_glu_reference, gate, up, grad_out, **betas)
+    assert torch.equal(fused[0], reference[0])  # the same ops in the same order
+    for name, ref, x in zip(("output", "gate grad", "up grad"), reference, fused):
+        assert x.dtype == dtype
+        assert_close_rms(ref, x, tol, f"{dtype} {betas}: {name}")
+
+
+def test_fused_bf16_inputs_compute_in_fp32():
+    gate, up, grad_out = _activation_inputs(torch.bfloat16)
+    fused = _forward_backward(situ_glu, gate, up, grad_out)
+    in_fp32 = _forward_backward(situ_glu, gate.float(), up.float(), grad_out.float())
+    reference = _forward_backward(situ_glu_reference, gate, up, grad_out)
+    assert torch.equal(fused[0], reference[0])
+    for name, ref, fp32, x in zip(("output", "gate grad", "up grad"), reference, in_fp32, fused):
+        assert x.dtype == torch.bfloat16
+        # The fp32 result rounded once to bf16, as the reference's backward does ...
+        assert torch.equal(x, fp32.to(torch.bfloat16)), name
+        # ... whose fp32 sums differ by round-off, which flips the odd bf16 rounding (2^-8 of
+        # one element each).
+        assert_close_rms(ref, x, 1e-4, f"bf16: {name}")
+
+
+def test_fused_saves_only_its_inputs():
+    """The dense MLP's gate and up are two views of one Linear output: that one storage is all
+    the activation keeps for backward (the plain form keeps its fp32 intermediates too)."""
+    gate_up = torch.randn(256, 2 * 128, requires_grad=True) * 1.0
+    gate, up = gate_up.chunk(2, dim=-1)
+    with SavedBytes([gate_up]) as saved_by_reference:  # excluded: counts the intermediates
+        situ_glu_reference(gate, up)
+    with SavedBytes() as saved:
+        situ_glu(gate, up)
+    assert saved.bytes == gate_up.untyped_storage().nbytes()
+    assert saved_by_reference.bytes >= 3 * gate.numel() * 4
