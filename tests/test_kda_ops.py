@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import model.ops.kda as kda_ops
 from model.batch import cu_seqlens_from_lengths
@@ -367,6 +368,21 @@ def test_output_takes_in_place_ops(lower_bound):
     (2 * kda_chunk(**ref, lower_bound=lower_bound)[0]).sum().backward()
     for name, x in inputs.items():
         torch.testing.assert_close(x.grad, ref[name].grad, rtol=0, atol=0, msg=name)
+
+
+@both_forms
+def test_under_activation_checkpointing(lower_bound):
+    # torch.utils.checkpoint unpacks each saved tensor once: the backward reads them once.
+    inputs = make_inputs(B=1, T=70, num_states=1)
+    cotangents = {"o": torch.randn(1, 70, H, V), "state": torch.randn(1, H, K, V)}
+    chunk = functools.partial(kda_chunk, lower_bound=lower_bound)
+    plain = run(chunk, inputs, cotangents)
+
+    def checkpointed(**kwargs):
+        return torch.utils.checkpoint.checkpoint(chunk, use_reentrant=False, **kwargs)
+
+    for name, value in run(checkpointed, inputs, cotangents).items():
+        torch.testing.assert_close(value, plain[name], rtol=0, atol=0, msg=name)
 
 
 def test_argument_validation():

@@ -417,8 +417,8 @@ class _BoundedIntraChunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dout_states):
-        inputs, (Akk, inverse), carried = (ctx.saved_tensors[:5], ctx.saved_tensors[5:7],
-                                           ctx.saved_tensors[7:])
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each tensor once
+        inputs, (Akk, inverse), carried = saved[:5], saved[5:7], saved[7:]
         Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = carried
         carry = _CarryBackward(*carried, do, dout_states,
                                ctx.inits_shape if ctx.needs_input_grad[6] else None)
@@ -639,8 +639,9 @@ class _StatePass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dout_states):
-        Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = ctx.saved_tensors
-        carry = _CarryBackward(*ctx.saved_tensors, do, dout_states,
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each tensor once
+        Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = saved
+        carry = _CarryBackward(*saved, do, dout_states,
                                ctx.inits_shape if ctx.needs_input_grad[7] else None)
         grads = [torch.empty_like(x) for x in (Aqk, new_values, W, q_decayed, k_to_end,
                                                chunk_decay)]
