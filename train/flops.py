@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import K3Config
+from model.ops.kda import SUB_TILE
 
 
 def _weights_per_token(cfg: K3Config) -> dict[str, int]:
@@ -44,16 +45,19 @@ def _attention_core_flops(cfg: K3Config, seq_len: int, causal: bool) -> dict[str
 
     MLA: q.k and p.v over the visible context (on average (T+1)/2 tokens when causal, T when
     counting a dense masked kernel). KDA (the chunk form K3's bounded gate takes, chunk C, head
-    dims K and V; model/ops/kda.py): the factorised intra-chunk scores of q and k rows against
-    the chunk's keys (4CK), W = A (k exp(G)) (2CK), U = A v and the intra-chunk output (2CV
-    each) and the three state products (6KV); the unit-triangular inverse (C^2 per token) is a
-    solve, which FLOP counters and MFU conventions leave out.
+    dims K and V; model/ops/kda.py): the factorised intra-chunk scores of q and k rows of each
+    16-row tile against the chunk's keys up to the tile's end (4Ke, with e = C (n + 1) / (2n)
+    keys per row on average for n = C/16 tiles), W = A (k exp(G)) (2CK), U = A v and the
+    intra-chunk output (2CV each) and the three state products (6KV); the unit-triangular
+    inverse (C^2 per token) is a solve, which FLOP counters and MFU conventions leave out.
     """
     m, k = cfg.mla, cfg.kda
     ctx = (seq_len + 1) / 2 if causal else seq_len
     mla = 2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * ctx
     c, dk, dv = k.chunk_size, k.head_dim, k.head_dim
-    kda = k.num_heads * (6 * c * dk + 4 * c * dv + 6 * dk * dv)
+    tiles = c // SUB_TILE
+    keys_per_row = c * (tiles + 1) / (2 * tiles)
+    kda = k.num_heads * (4 * keys_per_row * dk + 2 * c * dk + 4 * c * dv + 6 * dk * dv)
     return {"mla": mla, "kda": kda}
 
 
