@@ -6,6 +6,7 @@ last, all as full (logical) tensors."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -111,9 +112,14 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
     return record
 
 
+def _nan_first(error: float) -> tuple[bool, float]:
+    """A sort key under which NaN is the worst error (max() would keep whichever came first)."""
+    return math.isnan(error), error
+
+
 def _worst(ref: dict, got: dict, names) -> tuple[float, str]:
     errors = {n: rel_rms(ref[n], got[n]) for n in names}
-    name = max(errors, key=errors.get)
+    name = max(errors, key=lambda n: _nan_first(errors[n]))
     return errors[name], name
 
 
@@ -122,7 +128,8 @@ def compare(ref: Record, got: Record) -> dict[str, float | str]:
     AdamW's parameters after the last step (with the worst tensors' names)."""
     assert ref.grads.keys() == got.grads.keys() and ref.params.keys() == got.params.keys()
     out: dict[str, float | str] = {
-        "loss": max(abs(a - b) / abs(a) for a, b in zip(ref.losses, got.losses))}
+        "loss": max((abs(a - b) / abs(a) for a, b in zip(ref.losses, got.losses)),
+                    key=_nan_first)}
     adamw = [n for n in ref.params if n not in ref.muon]
     for key, (a, b, names) in {"grad": (ref.grads, got.grads, ref.grads),
                                "muon_param": (ref.params, got.params, ref.muon),
