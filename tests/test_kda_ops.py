@@ -335,24 +335,38 @@ def test_dtypes_and_optional_final_state(lower_bound):
         assert state.dtype == torch.float32 and state.shape == (1, H, K, V)
 
 
+def assert_wrapped_equals_plain(wrap, lower_bound, T=100):
+    """kda_chunk called through wrap(chunk, **inputs) gives bitwise the plain call's output,
+    final state and every input's gradient, all fp32."""
+    inputs = make_inputs(B=1, T=T, num_states=1)
+    cotangents = {"o": torch.randn(1, T, H, V), "state": torch.randn(1, H, K, V)}
+    chunk = functools.partial(kda_chunk, lower_bound=lower_bound)
+    plain = run(chunk, inputs, cotangents)
+    wrapped = run(functools.partial(wrap, chunk), inputs, cotangents)
+    for name, value in plain.items():
+        assert wrapped[name].dtype == value.dtype == torch.float32, name
+        torch.testing.assert_close(wrapped[name], value, rtol=0, atol=0, msg=name)
+
+
 @both_forms
 def test_bf16_autocast_leaves_the_fp32_island_alone(lower_bound):
     # Autocast would run the intra-chunk matmuls in bf16; the state pass's out= matmuls are not
     # autocast and would then get mixed dtypes. A forward inside autocast computes as without
     # it, so its backward (outside autocast, as the training loop runs it) does too.
-    inputs = make_inputs(B=1, T=100, num_states=1)
-    cotangents = {"o": torch.randn(1, 100, H, V), "state": torch.randn(1, H, K, V)}
-    chunk = functools.partial(kda_chunk, lower_bound=lower_bound)
-    plain = run(chunk, inputs, cotangents)
-
-    def forward_in_autocast(**kwargs):
+    def forward_in_autocast(chunk, **kwargs):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return chunk(**kwargs)
 
-    autocast = run(forward_in_autocast, inputs, cotangents)
-    for name, value in plain.items():
-        assert autocast[name].dtype == value.dtype == torch.float32, name
-        torch.testing.assert_close(autocast[name], value, rtol=0, atol=0, msg=name)
+    assert_wrapped_equals_plain(forward_in_autocast, lower_bound)
+
+
+@both_forms
+def test_under_activation_checkpointing(lower_bound):
+    # torch.utils.checkpoint unpacks each saved tensor once: the backward reads them once.
+    def checkpointed(chunk, **kwargs):
+        return torch.utils.checkpoint.checkpoint(chunk, use_reentrant=False, **kwargs)
+
+    assert_wrapped_equals_plain(checkpointed, lower_bound, T=70)
 
 
 @both_forms
@@ -368,21 +382,6 @@ def test_output_takes_in_place_ops(lower_bound):
     (2 * kda_chunk(**ref, lower_bound=lower_bound)[0]).sum().backward()
     for name, x in inputs.items():
         torch.testing.assert_close(x.grad, ref[name].grad, rtol=0, atol=0, msg=name)
-
-
-@both_forms
-def test_under_activation_checkpointing(lower_bound):
-    # torch.utils.checkpoint unpacks each saved tensor once: the backward reads them once.
-    inputs = make_inputs(B=1, T=70, num_states=1)
-    cotangents = {"o": torch.randn(1, 70, H, V), "state": torch.randn(1, H, K, V)}
-    chunk = functools.partial(kda_chunk, lower_bound=lower_bound)
-    plain = run(chunk, inputs, cotangents)
-
-    def checkpointed(**kwargs):
-        return torch.utils.checkpoint.checkpoint(chunk, use_reentrant=False, **kwargs)
-
-    for name, value in run(checkpointed, inputs, cotangents).items():
-        torch.testing.assert_close(value, plain[name], rtol=0, atol=0, msg=name)
 
 
 def test_argument_validation():
