@@ -40,11 +40,17 @@ def cu(layout):
     return None if LAYOUTS[layout] is None else cu_seqlens_from_lengths(LAYOUTS[layout], T)
 
 
-def forward_backward(q, k, v, cu_seqlens, backend, do, causal=True):
+def segment_lengths(layout):
+    """The segments' lengths over the flattened rows, as the "segments" backend takes them."""
+    rows = LAYOUTS[layout] or [[T]] * B
+    return [n for row in rows for n in row]
+
+
+def forward_backward(q, k, v, cu_seqlens, backend, do, causal=True, seqlens=None):
     for x in (q, k, v):
         x.grad = None
     o, max_logit = segment_attention(q, k, v, cu_seqlens, SCALE, causal, backend=backend,
-                                     return_max_logit=True)
+                                     return_max_logit=True, seqlens=seqlens)
     (o * do).sum().backward()
     return {"o": o, "dq": q.grad, "dk": k.grad, "dv": v.grad}, max_logit
 
@@ -52,23 +58,25 @@ def forward_backward(q, k, v, cu_seqlens, backend, do, causal=True):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dqk, dv", [(DQK, DV), (DV, DQK)], ids=["dv<dqk", "dv>dqk"])
-@pytest.mark.parametrize("backend", ["blockwise", "sdpa"])
+@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "segments"])
 def test_backend_matches_reference_with_grads(backend, dqk, dv, layout, causal):
     q, k, v = make_qkv(dqk, dv)
     do = torch.randn(B, T, H, dv)
     ref, ref_max = forward_backward(q, k, v, cu(layout), "reference", do, causal)
-    got, got_max = forward_backward(q, k, v, cu(layout), backend, do, causal)
+    got, got_max = forward_backward(q, k, v, cu(layout), backend, do, causal,
+                                    segment_lengths(layout))
     for name in ref:
         assert_close_rms(ref[name], got[name], TOL, name)
     torch.testing.assert_close(got_max, ref_max, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
-@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "segments", "reference"])
 def test_packed_documents_equal_each_document_alone(backend, causal):
     q, k, v = make_qkv()
     do = torch.randn(B, T, H, DV)
-    packed, _ = forward_backward(q, k, v, cu("packed"), backend, do, causal)
+    packed, _ = forward_backward(q, k, v, cu("packed"), backend, do, causal,
+                                 segment_lengths("packed"))
     for row, lengths in enumerate(ROWS):
         start = 0
         for length in lengths:
@@ -77,7 +85,8 @@ def test_packed_documents_equal_each_document_alone(backend, causal):
             if length == 0:
                 continue
             alone = [x.detach()[row:row + 1, doc].clone().requires_grad_() for x in (q, k, v)]
-            o = segment_attention(*alone, None, SCALE, causal, backend=backend)
+            o = segment_attention(*alone, None, SCALE, causal, backend=backend,
+                                  seqlens=[length])
             (o * do[row:row + 1, doc]).sum().backward()
             expected = [o, *(x.grad for x in alone)]
             for name, x in zip(("o", "dq", "dk", "dv"), expected):
@@ -175,6 +184,15 @@ def test_varlen_on_cpu_fp32_says_what_to_use():
     q, k, v = make_qkv()
     with pytest.raises(ValueError, match="backend='blockwise'"):
         doc_causal_attention(q, k, v, None, SCALE, backend="varlen")
+
+
+def test_segments_backend_names_bad_lengths():
+    q, k, v = make_qkv()
+    with pytest.raises(ValueError, match="needs seqlens"):
+        segment_attention(q, k, v, cu("packed"), SCALE, True, backend="segments")
+    with pytest.raises(ValueError, match=f"summing to B\\*T={B * T}"):
+        segment_attention(q, k, v, cu("packed"), SCALE, True, backend="segments",
+                          seqlens=segment_lengths("packed")[:-1])
 
 
 def test_unknown_backend_is_rejected():

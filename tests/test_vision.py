@@ -1,6 +1,7 @@
 """MoonViT-V2: patch layout, NaViT packing, position tables, 2-D RoPE, temporal pooling, 2x2 merge,
 token counts, parameter count and gradient flow."""
 
+import functools
 import math
 
 import pytest
@@ -266,9 +267,11 @@ def _dense_vision_attention(attn: VisionAttention, x, angles, cu_seqlens):
     return attn.o_proj(o.transpose(0, 1).flatten(1))
 
 
-def test_attention_equals_the_dense_masked_version(cfg, monkeypatch):
+@pytest.mark.parametrize("lengths_known", [False, True], ids=["blockwise", "segments"])
+def test_attention_equals_the_dense_masked_version(cfg, monkeypatch, lengths_known):
     """Several tiles over the packed patches, segment ends off the tile grid: the blockwise
-    per-image attention gives the dense-mask result, forward and backward."""
+    per-image attention, and with the segments' lengths given (the encoder's way) the
+    per-length groups, give the dense-mask result, forward and backward."""
     monkeypatch.setattr(attention, "BLOCK_Q", 16)
     monkeypatch.setattr(attention, "BLOCK_K", 40)
     grids = [(1, 4, 6), (6, 2, 2), (1, 2, 2), (1, 6, 4)]  # segments 24, 16, 8, 4, 24 patches
@@ -278,7 +281,9 @@ def test_attention_equals_the_dense_masked_version(cfg, monkeypatch):
     x = torch.randn(layout.num_patches, cfg.hidden_size, requires_grad=True)
     probe = torch.randn(layout.num_patches, cfg.hidden_size)
     results = []
-    for fn in (_dense_vision_attention, VisionAttention.forward):
+    seqlens = layout.seqlens if lengths_known else None
+    for fn in (_dense_vision_attention, functools.partial(VisionAttention.forward,
+                                                          seqlens=seqlens)):
         out = fn(attn, x, angles, layout.cu_seqlens)
         grads = torch.autograd.grad((out * probe).sum(), [x, *attn.parameters()])
         results.append([out, *grads])

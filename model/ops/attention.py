@@ -13,12 +13,19 @@ Backends ("auto" picks the first that applies):
 - "sdpa": F.scaled_dot_product_attention. Without cu_seqlens its fused kernel needs no mask and
   its memory is linear in T; with cu_seqlens it takes a dense [B, 1, T, T] mask (quadratic, only
   for short rows), so "auto" picks it only when cu_seqlens is None.
+- "segments": segment lengths known on the host (`seqlens`; MoonViT's images and video chunks,
+  whose layout is built on the host anyway): the segments of each distinct length are gathered
+  into one batch for F.scaled_dot_product_attention, so no tile of another segment is computed.
+  Its shapes depend on the lengths: not for the language model's static-shape hot path.
 - "blockwise": torch on any device, fp32, memory linear in T forward and backward (below).
 - "reference": explicit scores, dense mask and softmax; the plain version the tests compare to.
-Shapes never depend on where documents end.
+Shapes never depend on where documents end, except with "segments".
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +34,7 @@ from torch.autograd.function import once_differentiable
 from model.batch import segment_ids
 from model.dtypes import upcast
 
-_BACKENDS = ("auto", "varlen", "sdpa", "blockwise", "reference")
+_BACKENDS = ("auto", "varlen", "sdpa", "segments", "blockwise", "reference")
 # Blockwise tile: BLOCK_Q query rows against BLOCK_K keys, a [B, H, BLOCK_Q, BLOCK_K] fp32 score
 # tile at a time. Large enough that the Python loop costs little next to the tile's matmuls,
 # small enough that the tile's few temporaries stay near the CPU caches.
@@ -58,9 +65,12 @@ def segment_attention(
     causal: bool,
     backend: str = "auto",
     return_max_logit: bool = False,
+    seqlens: Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """doc_causal_attention with causality as a flag: causal=False attends to the whole segment
-    (MoonViT's images and video chunks); cu_seqlens None is one segment per row."""
+    (MoonViT's images and video chunks); cu_seqlens None is one segment per row. `seqlens`, the
+    segments' lengths in order (host ints, what cu_seqlens holds), enables the "segments"
+    backend, which "auto" then picks where varlen cannot run."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is invalid: must be one of {list(_BACKENDS)}")
     B, T, H, _ = q.shape
@@ -68,7 +78,7 @@ def segment_attention(
         raise ValueError(f"q, k must be [B, T, H, Dqk] and v [B, T, H, Dv]: "
                          f"{q.shape}, {k.shape}, {v.shape}")
     if backend == "auto":
-        backend = ("varlen" if _varlen_usable(q) else
+        backend = ("varlen" if _varlen_usable(q) else "segments" if seqlens is not None else
                    "sdpa" if cu_seqlens is None else "blockwise")
     segments = None if cu_seqlens is None else segment_ids(cu_seqlens, B * T).view(B, T)
     max_logit = None
@@ -77,6 +87,10 @@ def segment_attention(
             raise ValueError(f"backend='varlen' needs CUDA fp16/bf16 inputs, got {q.dtype} on "
                              f"{q.device}: use backend='blockwise'")
         o = _varlen(q, k, v, cu_seqlens, scale, causal)
+    elif backend == "segments":
+        if seqlens is None:
+            raise ValueError("backend='segments' needs seqlens, the segment lengths")
+        o = _grouped_segments(q, k, v, seqlens, scale, causal)
     else:
         qh, kh, vh = (upcast(x).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
         if backend == "blockwise":
@@ -174,6 +188,30 @@ def _sdpa(q, k, v, mask, causal, scale):
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                        is_causal=causal and mask is None, scale=scale)
     return o[..., :dv]
+
+
+def _grouped_segments(q, k, v, seqlens: Sequence[int], scale, causal):
+    """One sdpa call per distinct segment length over the flattened B*T tokens: the segments of
+    that length gathered into a batch [n, H, L, D], the outputs put back in token order."""
+    B, T, H, _ = q.shape
+    if any(n < 0 for n in seqlens) or sum(seqlens) != B * T:
+        raise ValueError(f"seqlens must be non-negative lengths summing to B*T={B * T}: "
+                         f"got {len(seqlens)} summing to {sum(seqlens)}")
+    flat = [upcast(x).reshape(B * T, H, x.shape[-1]) for x in (q, k, v)]
+    starts_by_length: dict[int, list[int]] = {}
+    for start, n in zip(itertools.accumulate(seqlens, initial=0), seqlens):
+        if n:
+            starts_by_length.setdefault(n, []).append(start)
+    outputs, order = [], []
+    for n, starts in starts_by_length.items():
+        index = (torch.tensor(starts).unsqueeze(-1) + torch.arange(n)).flatten()
+        qg, kg, vg = (x[index.to(x.device)].unflatten(0, (len(starts), n)).transpose(1, 2)
+                      for x in flat)
+        outputs.append(_sdpa(qg, kg, vg, None, causal, scale).transpose(1, 2).flatten(0, 1))
+        order.append(index)
+    # The groups together hold every token once: the inverse permutation restores token order.
+    inverse = torch.cat(order).argsort().to(q.device)
+    return torch.cat(outputs)[inverse].view(B, T, H, v.shape[-1])
 
 
 def _varlen_usable(q: torch.Tensor) -> bool:

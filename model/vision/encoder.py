@@ -31,16 +31,18 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, width, bias=False)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor,
-                cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, cu_seqlens: torch.Tensor,
+                seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
         """Non-causal attention within each image / video chunk of the packed [P, hidden] x:
-        the packed sequence is one row of segment_attention, so no P x P mask is formed."""
+        the packed sequence is one row of segment_attention, so no P x P mask is formed. With
+        the segments' lengths (`seqlens`, host ints) it runs per group of equal-length segments
+        where flash varlen cannot (CPU, fp32): no tile pairs two images."""
         heads = (x.shape[0], -1, self.head_dim)  # local heads when q/k/v are head-sharded
         q = apply_axial_rope(self.q_proj(x).view(heads), angles)
         k = apply_axial_rope(self.k_proj(x).view(heads), angles)
         v = self.v_proj(x).view(heads)
         o = segment_attention(q[None], k[None], v[None], cu_seqlens, self.head_dim ** -0.5,
-                              causal=False)
+                              causal=False, seqlens=seqlens)
         return self.o_proj(o[0].flatten(1).to(x.dtype))
 
 
@@ -62,9 +64,9 @@ class VisionBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor,
-                cu_seqlens: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), angles, cu_seqlens)
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, cu_seqlens: torch.Tensor,
+                seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), angles, cu_seqlens, seqlens)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -99,5 +101,5 @@ class MoonViTEncoder(nn.Module):
         x = x + self.position_embedding(layout).to(x.dtype)
         angles = axial_rope_angles(layout.rows, layout.cols, self.cfg.head_dim, self.cfg.rope_theta)
         for block in self.blocks:
-            x = block(x, angles, layout.cu_seqlens)
+            x = block(x, angles, layout.cu_seqlens, layout.seqlens)
         return self.final_norm(x)

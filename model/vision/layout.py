@@ -50,6 +50,7 @@ def vision_token_count(grid_thw: torch.Tensor | Sequence[Sequence[int]],
 @dataclass(frozen=True)
 class VisionLayout:
     grids: tuple[Grid, ...]
+    seqlens: tuple[int, ...]  # patches of each attention segment (host: the attention's groups)
     cu_seqlens: torch.Tensor  # [chunks + 1] attention segment bounds over the packed patches
     rows: torch.Tensor  # [P] patch row within its frame
     cols: torch.Tensor  # [P] patch column within its frame
@@ -114,4 +115,4 @@ def build_layout(grid_thw: torch.Tensor | Sequence[Sequence[int]], cfg: VisionCo
         torch.cat(column) for column in zip(*parts))
     cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0), (1, 0))
     tensors = (cu_seqlens, rows, cols, frame_in_chunk, pool_index, pool_weight, merge_index)
-    return VisionLayout(tuple(grids), *(x.to(device) for x in tensors))
+    return VisionLayout(tuple(grids), tuple(seqlens.tolist()), *(x.to(device) for x in tensors))
