@@ -52,6 +52,7 @@ SAFE_LOWER_BOUND = -5.0
 _TILE_REF = SUB_TILE // 2 - 1  # the reference row: exponents within [8, -7] * lower_bound
 _EXP_FLOOR = -80.0
 _BLOCK_ELEMENTS = 2 ** 18
+_SMALL_CHUNK_ELEMENTS = 2 ** 14
 _BACKENDS = ("auto", "torch", "fla")
 
 
@@ -675,25 +676,30 @@ class _CarryForward:
         self.o_chunk = state.new_empty(B * H, chunk, V)
         self.end_states = (state.new_empty(num_chunks, B, H, K, V) if starts is not None
                            else self.states[1:])
+        # Each chunk's [B * H, ...] views, made once (per-chunk indexing costs more than the
+        # chunk's small matmuls at narrow heads).
+        self.state_views = self.states.flatten(1, 2).unbind(0)
+        self.end_views = self.end_states.flatten(1, 2).unbind(0)
+        self.value_views = _per_chunk(self.new_values)
+        self.o_views = self.o.unbind(2)
 
     def run(self, chunks: range, Aqk, U, W, q_decayed, k_to_end, chunk_decay):
-        starts, states, end_states, o_chunk = self.starts, self.states, self.end_states, \
-            self.o_chunk
+        starts, o_chunk = self.starts, self.o_chunk
         B, H, _, C, V = self.o.shape
-        for c in chunks:
-            i = c - chunks.start
-            if starts is not None:  # the state carried in: end_states[c - 1], or the one given
-                carried = end_states[c - 1] if c else states[0]
-                loaded = states.new_zeros(()) if self.inits is None else self.inits[c]
-                torch.where(starts[c], loaded, carried, out=states[c])
-            S, end = states[c].flatten(0, 1), end_states[c].flatten(0, 1)
-            vn = torch.baddbmm(_chunk(U, i), _chunk(W, i), S, alpha=-1,
-                               out=_chunk(self.new_values, c))
-            torch.bmm(_chunk(q_decayed, i), S, out=o_chunk)
-            _accumulate_bmm(o_chunk, _chunk(Aqk, i), vn)
-            self.o[:, :, c] = o_chunk.view(B, H, C, V)
-            _accumulate_bmm(torch.mul(_chunk(chunk_decay, i).mT, S, out=end),
-                            _chunk(k_to_end, i).mT, vn)
+        per_chunk = zip(chunks, *(_per_chunk(x) for x in (Aqk, U, W, q_decayed, k_to_end,
+                                                          chunk_decay)))
+        with _threads_for(o_chunk):
+            for c, Aqk_c, U_c, W_c, q_c, k_end_c, decay_c in per_chunk:
+                S, end = self.state_views[c], self.end_views[c]
+                if starts is not None:  # the state carried in: end_states[c - 1], or the given
+                    carried = self.end_views[c - 1] if c else S
+                    loaded = S.new_zeros(()) if self.inits is None else self.inits[c].flatten(0, 1)
+                    torch.where(starts[c], loaded, carried, out=S)
+                vn = torch.baddbmm(U_c, W_c, S, alpha=-1, out=self.value_views[c])
+                torch.bmm(q_c, S, out=o_chunk)
+                _accumulate_bmm(o_chunk, Aqk_c, vn)
+                self.o_views[c].copy_(o_chunk.view(B, H, C, V))
+                _accumulate_bmm(torch.mul(decay_c.mT, S, out=end), k_end_c.mT, vn)
 
     def results(self):
         """o [B, H, NC, C, V], the state after each chunk [B, H, NC, K, V] for packed documents
@@ -716,38 +722,41 @@ class _CarryBackward:
 
     def __init__(self, Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values,
                  starts, do, dout_states, inits_shape):
-        self.Aqk, self.W, self.q_decayed, self.k_to_end = Aqk, W, q_decayed, k_to_end
-        self.chunk_decay, self.start_states, self.new_values = chunk_decay, start_states, new_values
-        self.starts, self.do, self.dout_states = starts, do, dout_states
+        self.start_states, self.starts = start_states, starts
         self.dinits = None if inits_shape is None else start_states.new_zeros(inits_shape)
         if starts is None:
             self.dstate = dout_states.flatten(0, 1).clone()
         else:
             self.dstate = torch.zeros_like(dout_states[:, :, 0]).flatten(0, 1)
+            self.dout_views = _per_chunk(dout_states)
+        # Each chunk's [B * H, ...] views of what the loop reads, made once (see _CarryForward).
+        self.state_views = start_states.flatten(1, 2).unbind(0)
+        self.saved_views = list(zip(*(_per_chunk(x) for x in (new_values, do, Aqk, k_to_end,
+                                                              chunk_decay, q_decayed, W))))
 
     def run(self, chunks: range, grads):
-        dAqk, dU, dW, dq_decayed, dk_to_end, dchunk_decay = grads
         starts, dstate = self.starts, self.dstate
-        for c in reversed(chunks):
-            i = c - chunks.start
-            if starts is not None:
-                dstate += _chunk(self.dout_states, c)
-            S, vn = self.start_states[c].flatten(0, 1), _chunk(self.new_values, c)
-            do_c = _chunk(self.do, c)
-            torch.bmm(do_c, vn.mT, out=_chunk(dAqk, i))
-            torch.bmm(do_c, S.mT, out=_chunk(dq_decayed, i))
-            torch.bmm(vn, dstate.mT, out=_chunk(dk_to_end, i))
-            torch.sum(dstate * S, -1, keepdim=True, out=_chunk(dchunk_decay, i).mT)
-            dvn = torch.bmm(_chunk(self.Aqk, c).mT, do_c, out=_chunk(dU, i))
-            _accumulate_bmm(dvn, _chunk(self.k_to_end, c), dstate)
-            torch.bmm(dvn, S.mT, out=_chunk(dW, i)).neg_()
-            _accumulate_bmm(dstate.mul_(_chunk(self.chunk_decay, c).mT),
-                            _chunk(self.q_decayed, c).mT, do_c)
-            _accumulate_bmm(dstate, _chunk(self.W, c).mT, dvn, alpha=-1)
-            if starts is not None:  # a loaded initial state cuts the carried one off
-                if self.dinits is not None:
-                    self.dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(self.dinits[c])
-                dstate = torch.where(starts[c], 0.0, dstate)
+        local = list(zip(*(_per_chunk(x) for x in grads)))  # this range's gradient buffers
+        with _threads_for(dstate):
+            for c, (dAqk, dU, dW, dq_c, dk_end, ddecay) in zip(reversed(chunks), reversed(local)):
+                if starts is not None:
+                    dstate += self.dout_views[c]
+                S = self.state_views[c]
+                vn, do_c, Aqk_c, k_end_c, decay_c, q_c, W_c = self.saved_views[c]
+                torch.bmm(do_c, vn.mT, out=dAqk)
+                torch.bmm(do_c, S.mT, out=dq_c)
+                torch.bmm(vn, dstate.mT, out=dk_end)
+                torch.sum(dstate * S, -1, keepdim=True, out=ddecay.mT)
+                dvn = torch.bmm(Aqk_c.mT, do_c, out=dU)
+                _accumulate_bmm(dvn, k_end_c, dstate)
+                torch.bmm(dvn, S.mT, out=dW).neg_()
+                _accumulate_bmm(dstate.mul_(decay_c.mT), q_c.mT, do_c)
+                _accumulate_bmm(dstate, W_c.mT, dvn, alpha=-1)
+                if starts is not None:  # a loaded initial state cuts the carried one off
+                    if self.dinits is not None:
+                        self.dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(
+                            self.dinits[c])
+                    dstate = torch.where(starts[c], 0.0, dstate)
         self.dstate = dstate
 
     def initial_state_grad(self):
@@ -760,9 +769,29 @@ def _accumulate_bmm(out, a, b, alpha=1):
     return torch.baddbmm(out, a, b, alpha=alpha, out=out)
 
 
-def _chunk(x, c):
-    """Chunk c of x [B, H, NC, ...] as [B * H, ...] (a view: contiguous for chunk-major x)."""
-    return x[:, :, c].flatten(0, 1)
+def _per_chunk(x):
+    """The chunks of x [B, H, n, ...] as n tensors [B * H, ...]: views for chunk-major x (one
+    copy of the whole tensor otherwise, never one per chunk)."""
+    return x.permute(2, 0, 1, *range(3, x.dim())).flatten(1, 2).unbind(0)
+
+
+def _threads_for(work: torch.Tensor):
+    """The state pass's per-chunk matmuls are as small as `work` ([B * H, C, V] or [B * H, K,
+    V]): below _SMALL_CHUNK_ELEMENTS elements a second intra-op thread costs more to wake than it
+    saves (a [2, 32, 32] bmm: 5 us on one thread, 9 us on two), so the loop runs on one."""
+    if work.device.type != "cpu" or work.numel() > _SMALL_CHUNK_ELEMENTS:
+        return contextlib.nullcontext()
+    return _one_intra_op_thread()
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _doc_final_states(chunk_end_states, initial_state, layout):
