@@ -7,8 +7,12 @@ run, for a baseline commit (checked out into a temporary git worktree).
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
-warm-up and not counted. `--compile` adds a row for this checkout with `compile=true`;
-`--profile` prints the torch profiler's top operators for one step of this checkout.
+warm-up and not counted. MFU is this checkout's model FLOPs per step (train/flops.py) over the
+median step time, against the best fp32 matmul probe of this benchmark process at the same
+thread count, taken before and after the runs (the loop's own MFU divides by one probe at its
+start-up, which a busy moment skews). `--compile` adds a row for this checkout with
+`compile=true`; `--profile` prints the torch profiler's top operators for one step of this
+checkout.
 """
 
 from __future__ import annotations
@@ -53,28 +57,56 @@ def run_demo(checkout: Path, work: Path, steps: int, threads: int,
     rss = _run(train + [f"run_dir={run_dir}", f"steps={steps}", *extra], checkout, env,
                work / "run.log")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[WARMUP_STEPS:]
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in timed),
-            "mfu": statistics.median(r["mfu"] for r in timed),
+    times = [r["step_time_s"] for r in rows[WARMUP_STEPS:]]
+    return {"step_time_s": statistics.median(times), "fastest_s": min(times),
             "rss_first_gib": first_rss / 2**20, "rss_gib": rss / 2**20,
             "losses": [r["loss"] for r in rows]}
 
 
+def _demo_config():
+    from hydra import compose, initialize_config_dir
+
+    from train.cli import CONFIG_DIR, register_configs, to_train_config
+
+    register_configs()
+    with initialize_config_dir(CONFIG_DIR, version_base=None):
+        return to_train_config(compose("train"))
+
+
+def flops_per_step() -> float:
+    """Model FLOPs of one demo step (this checkout's count, as the loop's MFU uses)."""
+    from train.flops import training_flops_per_token
+
+    cfg = _demo_config()
+    tokens = cfg.stage.global_batch_size * cfg.stage.seq_len
+    return training_flops_per_token(cfg.model, cfg.stage.seq_len) * tokens
+
+
+def matmul_peak(threads: int) -> float:
+    """The best fp32 matmul rate of this process at `threads` threads (FLOP/s)."""
+    import torch
+
+    from train.flops import _matmul_probe
+
+    torch.set_num_threads(threads)
+    return _matmul_probe(torch.device("cpu"), seconds=3.0, windows=10)
+
+
 def profile_one_step(threads: int) -> None:
     """Top operators (self CPU time) of one training step of this checkout's demo config."""
+    import dataclasses
+
     import torch
-    from hydra import compose, initialize_config_dir
     from torch.profiler import ProfilerActivity, profile
 
     from model.k3 import K3Model
-    from train.cli import CONFIG_DIR, register_configs, to_train_config
     from train.data import build_loader
 
     torch.set_num_threads(threads)
-    register_configs()
-    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(CONFIG_DIR,
-                                                                      version_base=None):
-        cfg = to_train_config(compose("train", overrides=[f"data.output_dir={tmp}/data"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _demo_config()
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                                output_dir=f"{tmp}/data"))
         model = K3Model(cfg.model)
         batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
         accum = cfg.stage.global_batch_size // cfg.stage.micro_batch_size
@@ -102,6 +134,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     results = {}
+    peaks = [matmul_peak(args.threads)]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.baseline:
@@ -118,13 +151,18 @@ def main() -> None:
         if args.compile:
             results["compile=true"] = run_demo(REPO, tmp / "compiled", args.steps, args.threads,
                                                ("compile=true",))
+    peaks.append(matmul_peak(args.threads))
+    peak, flops = max(peaks), flops_per_step()
     print(f"k3-train demo, {args.steps} steps ({WARMUP_STEPS} warm-up), {args.threads} threads")
+    print(f"matmul probe: {peaks[0] / 1e9:.1f} GFLOP/s before, {peaks[1] / 1e9:.1f} after (MFU "
+          f"uses the best); model FLOPs per step {flops / 1e9:.2f} G (this checkout's count)")
     print("peak RSS [GiB]: 'first' = the first run (curation + 1 step), 'train' = training on "
           "the prepared data")
-    print(f"{'checkout':<22} {'step [s]':>9} {'MFU':>7} {'RSS first':>10} {'RSS train':>10} "
-          f"{'last loss':>10}")
+    print(f"{'checkout':<22} {'step [s]':>9} {'fastest':>8} {'MFU':>7} {'RSS first':>10} "
+          f"{'RSS train':>10} {'last loss':>10}")
     for name, r in results.items():
-        print(f"{name:<22} {r['step_time_s']:>9.3f} {r['mfu']:>7.1%} {r['rss_first_gib']:>10.2f} "
+        print(f"{name:<22} {r['step_time_s']:>9.3f} {r['fastest_s']:>8.3f} "
+              f"{flops / r['step_time_s'] / peak:>7.1%} {r['rss_first_gib']:>10.2f} "
               f"{r['rss_gib']:>10.2f} {r['losses'][-1]:>10.4f}")
     print("losses of the first steps (results must not change):")
     for name, r in results.items():
