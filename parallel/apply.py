@@ -168,13 +168,16 @@ class ParallelPlan:
         parallelism every stage's parameters."""
         if self.expert_parallel:
             return clip_grad_norm_expert_parallel(self.model, max_norm, self._group("ep"))
-        squares = []
+        norms = []
         for p in self.model.parameters():
             if p.grad is None:
                 continue
             norm = torch.linalg.vector_norm(p.grad)
-            squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-        total = self.sum_over_stages(torch.stack(squares).sum()).sqrt()
+            # full_tensor()'s all-reduce is waited on at the result's first use: squaring here
+            # would wait on each in turn (a round trip per parameter); the stack below waits
+            # once, with every reduction already queued.
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = self.sum_over_stages(torch.stack(norms).pow(2).sum()).sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for p in self.model.parameters():

@@ -66,12 +66,14 @@ class Record:
 
 
 def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int = 1,
-              resume: Path | None = None, save: Path | None = None) -> Record:
+              resume: Path | None = None, save: Path | None = None,
+              tensors: bool = True) -> Record:
     """Optimizer steps up to `steps` on this rank's share of each global batch, in
     `micro_batches` accumulated micro-batches (the single-process reference of a data-parallel
     layout takes the ranks' shares one after the other: the same sums, in the same order where
     it can). `resume`: start from the latest checkpoint under that root; `save`: checkpoint
-    the last step under that root."""
+    the last step under that root. `tensors=False` records the losses only (gathering every
+    gradient and parameter is a collective per tensor)."""
     from train.checkpoint import Checkpointer
     from train.loop import build_parallel_model, train_step
 
@@ -100,12 +102,14 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
         batches = [global_batch(step, dp_rank * per_rank + m * per_micro, per_micro)
                    for m in range(micro_batches)]
         result = train_step(model, optimizers, batches, torch.device("cpu"), precision, parallel,
-                            cfg.optim, on_gradients=keep_grads if step == 0 else None)
+                            cfg.optim, on_gradients=keep_grads if tensors and step == 0 else None)
         assert result.finite
         record.losses.append(float(result.loss))
     if save is not None:
         Checkpointer(save, keep_last=3, rank=rank, world_size=world).save(
             steps, model, optimizers, {"loader": {"optimizer_step": steps}})
+    if not tensors:
+        return record
     record.params = {n: full(p) for n, p in model.named_parameters()}
     record.muon = sorted(n for n, p in model.named_parameters()
                          if any(type(o).__name__ == "Muon" and p in o.state for o in optimizers))

@@ -2,7 +2,8 @@
 global batch (losses, every expert's gradient, home + copied contributions, Quantile Balancing
 biases, parameters), with MoonEP and with the dynamic baseline, fp32 and MXFP4 QAT (SPEC 10).
 Composed with FSDP2 and tensor parallelism through the training loop's own builder and step
-(`check_composed_layouts`)."""
+(`check_composed_layouts`). The one-process references (plain, MXFP4 QAT, the training loop's)
+are computed once in the test process and read by every rank and layout."""
 
 import pytest
 import torch
@@ -92,14 +93,23 @@ def _sum_over(group):
     return reduce
 
 
-def check_layout(name, ep_group, dp_group, edp_group, dp_ranks, dispatch, qat):
-    """One layout: this rank's rows are its position among dp_ranks (each a distinct slice)."""
+def one_process(qat: bool) -> dict:
+    """The reference of `check_layout`: every row of each global batch in one process; the
+    per-step records and every parameter after the last step."""
+    model = build(qat)
+    records = train(model, global_batches(), lambda m: None, lambda t: t)
+    return {"records": records,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def check_layout(name, ep_group, dp_group, edp_group, dp_ranks, dispatch, qat, reference):
+    """One layout against `reference` (`one_process(qat)`): this rank's rows are its position
+    among dp_ranks (each a distinct slice)."""
     rank = dist.get_rank()
     position, width = dp_ranks.index(rank), len(dp_ranks)
     rows_per_rank = ROWS // width
     batches = global_batches()
-    ref_model = build(qat)
-    ref = train(ref_model, batches, lambda m: None, lambda t: t)
+    ref, ref_params = reference["records"], reference["params"]
     model = build(qat)
     apply_expert_parallel(model, ep_group, dispatch)
     mine = [b[position * rows_per_rank:(position + 1) * rows_per_rank] for b in batches]
@@ -122,7 +132,6 @@ def check_layout(name, ep_group, dp_group, edp_group, dp_ranks, dispatch, qat):
                 assert_close_rms(w_ref[home], w, tol, f"expert grad layer {layer} ({what})")
         for rb, gb in zip(r["bias"], g["bias"]):
             assert_close_rms(rb, gb, tol, f"QB bias ({what})")
-    ref_params = dict(ref_model.named_parameters())
     for pname, p in model.named_parameters():
         expected = ref_params[pname]
         if p.shape != expected.shape:  # sharded experts: this rank's home slice
@@ -220,13 +229,21 @@ def run_loop(cfg, topology) -> dict:
     return record
 
 
-def check_composed_layouts(world: int) -> None:
-    """Each layout of COMPOSED against one process in float64 (see `build`) within 1e-5: the
-    loss, the QB biases and every gradient of each of 3 AdamW steps, every parameter after the
-    last."""
+def composed_one_process() -> dict:
+    """The reference of `check_composed_layouts`: `run_loop` in one process, in float64."""
     torch.set_default_dtype(torch.float64)
     try:
-        ref = run_loop(tiny_config("adamw"), None)
+        return run_loop(tiny_config("adamw"), None)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def check_composed_layouts(world: int, ref: dict) -> None:
+    """Each layout of COMPOSED against one process (`ref`: `composed_one_process()`) in float64
+    (see `build`) within 1e-5: the loss, the QB biases and every gradient of each of 3 AdamW
+    steps, every parameter after the last."""
+    torch.set_default_dtype(torch.float64)
+    try:
         for name, parallel in COMPOSED.items():
             cfg = with_layout(tiny_config("adamw"), **parallel)
             topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
@@ -284,29 +301,40 @@ def check_fsdp_checkpoint_round_trip(root: str, world: int) -> None:
     topology.destroy()
 
 
-def _world_of_four(rank: int, world: int, root: str) -> None:
+def _world_of_four(rank: int, world: int, root: str, references: str) -> None:
     assert world == 4
+    refs = torch.load(references, weights_only=False)
     everyone = dist.group.WORLD
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     single = [dist.new_group([r]) for r in range(4)]
     pair, stride = pairs[rank // 2], strided[rank % 2]
+    plain, qat = refs["plain"], refs["mxfp4_qat"]
     for dispatch in ("moonep", "dynamic"):
         check_layout(f"EP4 {dispatch}", everyone, everyone, single[rank], [0, 1, 2, 3],
-                     dispatch, qat=False)
+                     dispatch, False, plain)
     # EP2 x DP2: EP inside consecutive pairs, expert-data-parallel across them.
-    check_layout("EP2 x DP2", pair, everyone, stride, [0, 1, 2, 3], "moonep", qat=False)
+    check_layout("EP2 x DP2", pair, everyone, stride, [0, 1, 2, 3], "moonep", False, plain)
     # EP2 alone, each pair its own 2-rank job, without and with MXFP4 QAT.
     pair_ranks = [2 * (rank // 2), 2 * (rank // 2) + 1]
-    check_layout("EP2", pair, pair, single[rank], pair_ranks, "moonep", qat=False)
-    check_layout("EP2 mxfp4_qat", pair, pair, single[rank], pair_ranks, "moonep", qat=True)
+    check_layout("EP2", pair, pair, single[rank], pair_ranks, "moonep", False, plain)
+    check_layout("EP2 mxfp4_qat", pair, pair, single[rank], pair_ranks, "moonep", True, qat)
     check_layout("EP4 x mxfp4_qat", everyone, everyone, single[rank], [0, 1, 2, 3], "moonep",
-                 qat=True)
+                 True, qat)
     check_checkpoint_reshards(root, pair, stride, everyone)
-    check_composed_layouts(world)
+    check_composed_layouts(world, refs["composed"])
     check_fsdp_checkpoint_round_trip(f"{root}/ep2_fsdp2", world)
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> str:
+    """The one-process references, computed once here (not on every rank for every layout)."""
+    path = tmp_path_factory.mktemp("moonep_refs") / "refs.pt"
+    torch.save({"plain": one_process(False), "mxfp4_qat": one_process(True),
+                "composed": composed_one_process()}, path)
+    return str(path)
+
+
 @pytest.mark.timeout(600)
-def test_expert_parallel_k3_tiny_matches_one_process(tmp_path):
-    run_world(4, _world_of_four, str(tmp_path / "checkpoints"))
+def test_expert_parallel_k3_tiny_matches_one_process(tmp_path, references):
+    run_world(4, _world_of_four, str(tmp_path / "checkpoints"), references)

@@ -6,6 +6,7 @@ gradient norms, gradients, parameters, QB biases (statistics pooled per stage) a
 logits reduced per stage), then the validation loss through the stages' forward-only walk, all
 in float64 within 1e-5; and one step of PP2 x DP2 under bf16 autocast (loss, gradient norm and
 validation loss).
+The one-process references are computed once in the test process and read by every rank.
 Collectives run under a 120 s process-group timeout, so a stage waiting on a peer fails instead
 of hanging."""
 
@@ -196,21 +197,24 @@ LAYOUTS = [
 ]
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _base_and_batches() -> tuple[K3Model, list[list[K3Batch]]]:
+    """The model every run starts from and the micro-batches of each step."""
+    torch.manual_seed(0)
+    base = K3Model(k3_tiny())
+    return base, [_micro_batches(8, seed=step) for step in range(STEPS)]
+
+
+def _worker(rank: int, init_file: str, out_dir: str, references: str) -> None:
     torch.set_num_threads(1)
     # A collective that never completes raises after 120 s instead of hanging the test.
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        torch.manual_seed(0)
-        base = K3Model(k3_tiny())
-        batches_per_step = [_micro_batches(8, seed=step) for step in range(STEPS)]
-        reference = _reference_steps(copy.deepcopy(base), batches_per_step)
-        errors = {_name(p): _check_layout(p, reference, base, batches_per_step)
+        base, batches_per_step = _base_and_batches()
+        refs = torch.load(references, weights_only=False)
+        errors = {_name(p): _check_layout(p, refs["fp64"], base, batches_per_step)
                   for p in LAYOUTS}
-        one_step = batches_per_step[:1]
-        reference = _reference_steps(copy.deepcopy(base), one_step, BF16)
-        bf16 = _check_layout(BF16_LAYOUT, reference, base, one_step, BF16)
+        bf16 = _check_layout(BF16_LAYOUT, refs["bf16"], base, batches_per_step[:1], BF16)
         errors["bf16_" + _name(BF16_LAYOUT)] = {k: bf16[k] for k in BF16_CHECKED}
         torch.save(errors, f"{out_dir}/errors{rank}.pt")
         dist.barrier()
@@ -223,9 +227,21 @@ def _name(p: ParallelConfig) -> str:
     return f"pp{p.pipeline}_dp{max(p.data, 1)}{tp}_{p.pipeline_schedule}_v{p.virtual_stages}"
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> str:
+    """The one-process runs, computed once here (not on every rank): all steps in float64 and
+    the first step under bf16 autocast."""
+    base, batches_per_step = _base_and_batches()
+    path = tmp_path_factory.mktemp("pipeline_refs") / "refs.pt"
+    torch.save({"fp64": _reference_steps(copy.deepcopy(base), batches_per_step),
+                "bf16": _reference_steps(copy.deepcopy(base), batches_per_step[:1], BF16)}, path)
+    return str(path)
+
+
 @pytest.mark.timeout(900)
-def test_pipeline_layouts_match_one_process(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=4, join=True)
+def test_pipeline_layouts_match_one_process(tmp_path, references):
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), references), nprocs=4,
+             join=True)
     ranks = [torch.load(tmp_path / f"errors{r}.pt") for r in range(4)]
     worst = {layout: {k: torch.tensor([r[layout][k] for r in ranks]).max().item()  # keeps NaN
                       for k in ranks[0][layout]}

@@ -1,8 +1,13 @@
-"""k3-plan: counts from the real (meta-device) model, FLOPs from the tested analytic count."""
+"""k3-plan: counts from the real (meta-device) model, FLOPs from the tested analytic count.
+
+The three plans of k3_full (each traces the full model's layers on the meta device, the longest
+subprocesses here) start together when the first of their tests runs, two at a time: each is a
+single-threaded process, so two keep two cores busy while the other tests run."""
 
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -11,17 +16,48 @@ from tests.train_helpers import REPO
 from train.flops import forward_flops_per_token, training_flops_per_token
 
 
+def _run_plan(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "train.plan", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def _plan(*overrides):
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--json", *overrides], cwd=REPO,
-                         capture_output=True, text=True, timeout=180)
+    return _parsed(_run_plan("--json", *overrides))
+
+
+def _parsed(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
-def test_plan_of_the_full_model_on_a_large_layout():
-    p = _plan("model=k3_full", "parallel.tensor=8", "parallel.expert=64", "parallel.pipeline=8",
-              "parallel.data=64", "stage.seq_len=8192", "stage.micro_batch_size=1",
-              "activation_checkpointing=true")
+FULL_MODEL_PLANS = {
+    "large_layout": ["--json", "model=k3_full", "parallel.tensor=8", "parallel.expert=64",
+                     "parallel.pipeline=8", "parallel.data=64", "stage.seq_len=8192",
+                     "stage.micro_batch_size=1", "activation_checkpointing=true"],
+    "context_expert_pipeline": [
+        "--json", "model=k3_full", "parallel.tensor=8", "parallel.context=2",
+        "parallel.pipeline=8", "parallel.expert=32", "parallel.expert_tensor=2",
+        "parallel.data=8", "parallel.data_replicate=2", "parallel.data_shard=full",
+        "stage.seq_len=8192", "stage.micro_batch_size=1", "activation_checkpointing=true"],
+    "long_context": ["--json", "--long-context", "model=k3_full", "parallel.tensor=8",
+                     "parallel.expert=64", "parallel.pipeline=8", "parallel.context=8",
+                     "parallel.data=8", "stage.micro_batch_size=1",
+                     "activation_checkpointing=true"],
+}
+TIMEOUTS = {"long_context": 600}
+
+
+@pytest.fixture(scope="module")
+def full_model_plans():
+    """Every k3-plan run of FULL_MODEL_PLANS, started at once on two workers: name -> future of
+    its CompletedProcess."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(_run_plan, *args, timeout=TIMEOUTS.get(name, 180))
+               for name, args in FULL_MODEL_PLANS.items()}
+
+
+def test_plan_of_the_full_model_on_a_large_layout(full_model_plans):
+    p = _parsed(full_model_plans["large_layout"].result())
     params = p["parameters"]
     assert abs(params["total"] / 2.78e12 - 1) < 0.005
     assert abs(params["active"] / 104.2e9 - 1) < 0.005
@@ -48,16 +84,13 @@ def test_plan_of_the_full_model_on_a_large_layout():
 
 
 def test_plan_rejects_an_expert_layout_that_does_not_divide():
-    out = subprocess.run([sys.executable, "-m", "train.plan", "parallel.expert=3"], cwd=REPO,
-                         capture_output=True, text=True, timeout=180)
+    out = _run_plan("parallel.expert=3")
     assert out.returncode == 2 and "parallel.expert=3" in out.stderr
 
 
-def test_plan_accepts_context_expert_and_pipeline_layouts_through_the_topology():
-    p = _plan("model=k3_full", "parallel.tensor=8", "parallel.context=2", "parallel.pipeline=8",
-              "parallel.expert=32", "parallel.expert_tensor=2", "parallel.data=8",
-              "parallel.data_replicate=2", "parallel.data_shard=full", "stage.seq_len=8192",
-              "stage.micro_batch_size=1", "activation_checkpointing=true")
+def test_plan_accepts_context_expert_and_pipeline_layouts_through_the_topology(
+        full_model_plans):
+    p = _parsed(full_model_plans["context_expert_pipeline"].result())
     lay = p["layout"]
     assert lay["world_size"] == 1024
     assert (lay["pipeline"], lay["data"], lay["data_replicate"], lay["context"], lay["tensor"],
@@ -65,9 +98,7 @@ def test_plan_accepts_context_expert_and_pipeline_layouts_through_the_topology()
 
 
 def test_plan_rejects_a_bad_layout_naming_the_field():
-    out = subprocess.run([sys.executable, "-m", "train.plan", "parallel.data=4",
-                          "parallel.data_replicate=3", "parallel.data_shard=full"], cwd=REPO,
-                         capture_output=True, text=True, timeout=180)
+    out = _run_plan("parallel.data=4", "parallel.data_replicate=3", "parallel.data_shard=full")
     assert out.returncode == 2 and "parallel.data_replicate=3" in out.stderr, out.stderr
 
 
@@ -86,14 +117,8 @@ def test_long_context_memory_fit_equals_the_trace():
                 == saved_after_forward(k3_tiny(), 8192, 1, 4, checkpointing))
 
 
-def test_long_context_plan_says_which_context_stages_fit_an_h200():
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--json", "--long-context",
-                          "model=k3_full", "parallel.tensor=8", "parallel.expert=64",
-                          "parallel.pipeline=8", "parallel.context=8", "parallel.data=8",
-                          "stage.micro_batch_size=1", "activation_checkpointing=true"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)["long_context"]
+def test_long_context_plan_says_which_context_stages_fit_an_h200(full_model_plans):
+    rows = _parsed(full_model_plans["long_context"].result())["long_context"]
     assert [r["seq_len"] for r in rows] == [8192, 65536, 262144, 1048576]
     totals = [r["total_gib"] for r in rows]
     assert totals == sorted(totals)
