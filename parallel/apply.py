@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,10 @@ from .expert_parallel import (
     mark_expert_parameters,
 )
 from .muon_exchange import DTensorExchange
-from .pipeline import PipelineStep, prune_to_stages, rank_stages
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineStep
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -238,11 +241,17 @@ def shard_stages(model: K3Model, topology, cfg) -> None:
     unchanged); before precision, the other plans and the optimizer. No-op otherwise."""
     if topology is None or topology.pp == 1:
         return
+    # Here, not at the top: torch's pipelining imports torch._dynamo (and sympy), ~1.5 s and
+    # tens of MiB in every process, most of which never pipeline.
+    from .pipeline import prune_to_stages, rank_stages
+
     prune_to_stages(model, *rank_stages(*_stage_costs(cfg), topology.pp, topology.rank_in("pp"),
                                         topology.virtual_stages, topology.pipeline_schedule))
 
 
 def _pipeline_step(model: K3Model, topology, cfg, mesh) -> PipelineStep:
+    from .pipeline import PipelineStep  # see shard_stages
+
     micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * topology.dp)
     activations = None
     if topology.tp > 1:

@@ -76,7 +76,11 @@ def apply_activation_checkpointing(model: K3Model,
 
 def compile_sublayers(model: K3Model) -> None:
     """torch.compile of every decoder sublayer (the AttnRes bookkeeping between them stays
-    eager: it is a few additions over Python lists)."""
+    eager: it is a few additions over Python lists); modules that set `compile_disabled` (the
+    grouped experts) run eagerly inside the compiled graphs."""
     for layer in model.layers.values():
         for sub in (layer.attn, layer.mlp):
+            for module in sub.modules():
+                if getattr(module, "compile_disabled", False):
+                    module.forward = torch.compiler.disable(module.forward)
             sub.forward = torch.compile(sub.forward)

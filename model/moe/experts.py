@@ -81,9 +81,13 @@ class GroupedExperts(nn.Module):
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return situ_glu(gate, up, self.beta_gate, self.beta_up)
 
-    # Left out of torch.compile graphs: grouped_mm's fake (tracing) kernel takes bf16 only in
-    # torch 2.13, so fp32 runs could not be traced; each grouped GEMM is one kernel anyway.
-    @torch.compiler.disable
+    # Left out of torch.compile graphs (train.activation_checkpointing.compile_sublayers wraps
+    # forward in torch.compiler.disable where this is set): grouped_mm's fake (tracing) kernel
+    # takes bf16 only in torch 2.13, so fp32 runs could not be traced; each grouped GEMM is one
+    # kernel anyway. Not a decorator here: that imports torch._dynamo (and sympy) with the model,
+    # ~1.5 s and tens of MiB in every process that never compiles.
+    compile_disabled = True
+
     def forward(self, buffer: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
         """buffer [N, L] grouped by expert, group_ends [G] int32 (ends at N) -> [N, L]."""
         # Autocast does not cover grouped_mm: cast to its dtype here as a Linear would be.
