@@ -94,10 +94,13 @@ def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
     device = _local(params[0].grad).device
 
     def squares(group: list[torch.Tensor]) -> torch.Tensor:
+        sums = [p.grad.double().square().sum() for p in group]
+        # Every DTensor's all-reduce is queued before the first sum below waits on one (adding
+        # each as it is issued waited on each in turn); the same additions in the same order.
+        sums = [x.full_tensor() if isinstance(x, DTensor) else x for x in sums]
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for p in group:
-            square = p.grad.double().square().sum()
-            total = total + (square.full_tensor() if isinstance(square, DTensor) else square)
+        for square in sums:
+            total = total + square
         return total
 
     expert_sq = squares([p for p in params if is_expert_parameter(p)])
