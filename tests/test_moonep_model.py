@@ -5,6 +5,8 @@ Composed with FSDP2 and tensor parallelism through the training loop's own build
 (`check_composed_layouts`). The one-process references (plain, MXFP4 QAT, the training loop's)
 are computed once in the test process and read by every rank and layout."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -229,21 +231,27 @@ def run_loop(cfg, topology) -> dict:
     return record
 
 
-def composed_one_process() -> dict:
-    """The reference of `check_composed_layouts`: `run_loop` in one process, in float64."""
+@contextlib.contextmanager
+def _float64_default():
+    """The composed layouts' runs build their models in float64 (see `build`)."""
     torch.set_default_dtype(torch.float64)
     try:
-        return run_loop(tiny_config("adamw"), None)
+        yield
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def composed_one_process() -> dict:
+    """The reference of `check_composed_layouts`: `run_loop` in one process, in float64."""
+    with _float64_default():
+        return run_loop(tiny_config("adamw"), None)
 
 
 def check_composed_layouts(world: int, ref: dict) -> None:
     """Each layout of COMPOSED against one process (`ref`: `composed_one_process()`) in float64
     (see `build`) within 1e-5: the loss, the QB biases and every gradient of each of 3 AdamW
     steps, every parameter after the last."""
-    torch.set_default_dtype(torch.float64)
-    try:
+    with _float64_default():
         for name, parallel in COMPOSED.items():
             cfg = with_layout(tiny_config("adamw"), **parallel)
             topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
@@ -262,8 +270,6 @@ def check_composed_layouts(world: int, ref: dict) -> None:
             for pname, expected in ref["params"].items():
                 assert_close_rms(expected, got["params"][pname], 1e-5,
                                  f"{pname} after {STEPS} steps ({name})")
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 def check_fsdp_checkpoint_round_trip(root: str, world: int) -> None:
