@@ -3,7 +3,7 @@ matmul probe and peak RSS of the whole process, for this checkout and, side by s
 run, for a baseline commit (checked out into a temporary git worktree).
 
     python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
-        [--profile]
+        [--profile] [--phases]
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
@@ -12,13 +12,15 @@ median step time, against the best fp32 matmul probe of this benchmark process a
 thread count, taken before and after the runs (the loop's own MFU divides by one probe at its
 start-up, which a busy moment skews). `--compile` adds a row for this checkout with
 `compile=true`; `--profile` prints the torch profiler's top operators for one step of this
-checkout.
+checkout; `--phases` splits this checkout's `train_step` into the model's forwards, the
+optimizer step and the rest (backwards, clipping, balancers), on the same prefetched batches.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -124,6 +126,65 @@ def profile_one_step(threads: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def phase_times(threads: int, steps: int = 4, passes: int = 3) -> None:
+    """The loop's own `train_step` on `steps` prefetched global batches, `passes` times over the
+    same batches: the fastest time of each step, of its micro-batches' forwards (model hooks)
+    and of its optimizer step (optimizer hooks); the remainder is the backwards, clipping, the
+    balancers' update and zeroing the gradients."""
+    import dataclasses
+    import time
+
+    import torch
+
+    from train.data import build_loader
+    from train.loop import build_parallel_model, train_step
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _demo_config()
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                                output_dir=f"{tmp}/data"))
+        device = torch.device("cpu")
+        model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
+        batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
+        accum = cfg.stage.global_batch_size // cfg.stage.micro_batch_size
+        global_batches = [[next(batches) for _ in range(accum)] for _ in range(steps)]
+        spans = {"forward": 0.0, "optimizer": 0.0}
+        began = {}
+
+        def opening(name):
+            return lambda *_: began.__setitem__(name, time.perf_counter())
+
+        def closing(name):
+            return lambda *_: spans.__setitem__(
+                name, spans[name] + time.perf_counter() - began[name])
+
+        model.register_forward_pre_hook(opening("forward"))
+        model.register_forward_hook(closing("forward"))
+        for opt in optimizers:
+            opt.register_step_pre_hook(opening("optimizer"))
+            opt.register_step_post_hook(closing("optimizer"))
+        best = [{"step": math.inf, "forward": math.inf, "optimizer": math.inf}
+                for _ in global_batches]
+        for _ in range(passes):
+            for fastest, micro_batches in zip(best, global_batches):
+                spans.update(forward=0.0, optimizer=0.0)
+                start = time.perf_counter()
+                train_step(model, optimizers, micro_batches, device, precision, parallel,
+                           cfg.optim)
+                times = {"step": time.perf_counter() - start, **spans}
+                for key, value in times.items():
+                    fastest[key] = min(fastest[key], value)
+    print(f"train_step phases, {threads} threads, fastest of {passes} passes [ms]:")
+    print(f"{'step':<5} {'images':>6} {'whole':>8} {'forwards':>9} {'optimizer':>10} "
+          f"{'rest':>8}")
+    for i, (fastest, micro_batches) in enumerate(zip(best, global_batches)):
+        images = sum(0 if mb.vision is None else len(mb.vision.grid_thw) for mb in micro_batches)
+        rest = fastest["step"] - fastest["forward"] - fastest["optimizer"]
+        print(f"{i:<5} {images:>6} {fastest['step'] * 1e3:>8.1f} {fastest['forward'] * 1e3:>9.1f} "
+              f"{fastest['optimizer'] * 1e3:>10.1f} {rest * 1e3:>8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -132,7 +193,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also measure this checkout with compile=true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--phases", action="store_true",
+                        help="only time the phases of this checkout's train_step")
     args = parser.parse_args()
+    if args.phases:
+        phase_times(args.threads)
+        return
     results = {}
     peaks = [matmul_peak(args.threads)]
     with tempfile.TemporaryDirectory() as tmp:
