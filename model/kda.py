@@ -93,8 +93,8 @@ class KimiDeltaAttention(nn.Module):
             flat = (1, b * t, -1, hd)
             packed = (q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
                       beta.reshape(1, b * t, -1))
-            if self.state_exchange is None:
-                o, _ = kda(*packed, cu_seqlens=cu_seqlens)
+            if self.state_exchange is None:  # every row starts a document (K3Batch)
+                o, _ = kda(*packed, cu_seqlens=cu_seqlens, rows=b)
             else:
                 o = self.state_exchange(kda, *packed, cu_seqlens)
             o = o.view(heads)

@@ -275,6 +275,43 @@ def test_packed_documents_without_states_cost_no_padding(lower_bound):
 
 
 @both_forms
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_rows_that_start_documents_run_side_by_side_and_equal_the_packed_sequence(
+        chunk_size, lower_bound):
+    """`rows` (K3Batch's layout: every row starts a document) batches the rows: the same
+    outputs and gradients as the one packed sequence and as the recurrence; rows of 48 tokens
+    split into whole chunks of 16 only, so chunks of 32 keep the packed sequence."""
+    seq = 48
+    rows = [[5, 30, 13], [seq], [10, 0, 14, 24]]
+    T = seq * len(rows)
+    cu_seqlens = cu_seqlens_from_lengths(rows, seq)
+    inputs = make_inputs(B=1, T=T)
+    do = torch.randn_like(inputs["v"])
+
+    def outputs_and_grads(fn, **kwargs):
+        for x in inputs.values():
+            x.grad = None
+        o, _ = fn(**inputs, cu_seqlens=cu_seqlens, **kwargs)
+        (o * do).sum().backward()
+        return {"o": o, **{f"d{n}": x.grad.clone() for n, x in inputs.items()}}
+
+    chunked = functools.partial(kda_chunk, chunk_size=chunk_size, lower_bound=lower_bound)
+    ref = outputs_and_grads(kda_recurrent)
+    packed = outputs_and_grads(chunked)
+    side_by_side = outputs_and_grads(chunked, rows=len(rows))
+    assert_all_close(ref, side_by_side)
+    for name in packed:
+        assert_close_rms(packed[name], side_by_side[name], 1e-6, name)
+    rec = record(lambda: chunked(**inputs, cu_seqlens=cu_seqlens, rows=len(rows)))
+    batches = {shape[:3] for _, shapes in rec.trace for shape in shapes
+               if isinstance(shape, tuple) and len(shape) == 5 and shape[1] == H}
+    if seq % chunk_size == 0:
+        assert batches == {(len(rows), H, seq // chunk_size)}
+    else:  # one packed sequence, its last chunk padded
+        assert batches == {(1, H, -(-T // chunk_size))}
+
+
+@both_forms
 def test_static_shapes_without_states_for_two_document_layouts(lower_bound):
     T = 202
     inputs = make_inputs(B=1, T=T)
@@ -394,6 +431,11 @@ def test_argument_validation():
         kda_chunk(**inputs, initial_state=torch.zeros(1, H, K, V))
     with pytest.raises(ValueError, match="backend"):
         kda_chunk(**inputs, backend="triton")
+    packed = {name: x[:1] for name, x in inputs.items()}
+    with pytest.raises(ValueError, match="rows=2 is invalid: needs cu_seqlens"):
+        kda_chunk(**packed, rows=2)
+    with pytest.raises(ValueError, match="rows=3 is invalid"):
+        kda_chunk(**packed, cu_seqlens=torch.tensor([0, 10, 20]), rows=3)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla-core is installed")

@@ -99,12 +99,15 @@ def kda_chunk(
     chunk_size: int = 64,
     backend: str = "auto",
     lower_bound: float | None = None,
+    rows: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA. backend: "auto" (fla on CUDA when installed, else torch),
     "torch" or "fla". lower_bound (e.g. -5 for the K3 gate) promises g >= lower_bound; within
     the safe range [-5, 0) it selects fla's safe-gate kernel and the torch path's factorised
     sub-tiles (which clamp g at the bound). None, or a looser bound, takes the form that is
-    exact for any gate (the Kimi Linear gate)."""
+    exact for any gate (the Kimi Linear gate). rows (with cu_seqlens) promises that the packed
+    sequence is `rows` rows of equal length each starting a document (K3Batch's layout): the
+    torch path then carries the states of the rows side by side, a shorter sequential pass."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is invalid: must be one of {list(_BACKENDS)}")
     if chunk_size <= 0 or chunk_size % SUB_TILE:
@@ -112,6 +115,9 @@ def kda_chunk(
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"lower_bound={lower_bound} is invalid: must be < 0 (a log decay) or None")
     scale = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if rows != 1 and (cu_seqlens is None or rows < 1 or q.shape[1] % rows):
+        raise ValueError(f"rows={rows} is invalid: needs cu_seqlens and must divide the packed "
+                         f"length {q.shape[1]}")
     safe_bound = _safe_bound(lower_bound)
     use_fla = backend == "fla" or (backend == "auto" and q.is_cuda)
     fla_chunk_kda = _fla_chunk_kda() if use_fla else None  # imported only where it may run
@@ -130,7 +136,7 @@ def kda_chunk(
     # which autocast does not cast, so its operands must not come out of autocast's matmuls.
     with _no_autocast(q.device.type):
         return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                cu_seqlens, chunk_size, safe_bound)
+                                cu_seqlens, chunk_size, safe_bound, rows)
 
 
 def _no_autocast(device_type: str):
@@ -261,16 +267,23 @@ def _from_chunks(x: torch.Tensor, layout: _ChunkLayout, T: int) -> torch.Tensor:
 
 
 def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                     chunk, lower_bound):
+                     chunk, lower_bound, rows):
     T = q.shape[1]
     masks = None
+    packed_shape = None
     if cu_seqlens is None:
         layout = _rows_layout(T, chunk)
     elif initial_state is None and not output_final_state:
         # Training's case: no per-document states in or out, so documents may share a chunk and
-        # are kept apart by masks; no padding per document.
+        # are kept apart by masks; no padding per document. Rows that each start a document and
+        # split into whole chunks are independent: a batch (every row's state starts at zero).
+        if (T // rows) % chunk:
+            rows = 1
+        packed_shape = q.shape[:2]
+        q, k, v, g, beta = (x.reshape(rows, T // rows, *x.shape[2:]) for x in (q, k, v, g, beta))
+        masks = _segment_masks(cu_seqlens, T, chunk, rows)
+        T //= rows
         layout = _rows_layout(T, chunk)
-        masks = _segment_masks(cu_seqlens, T, chunk)
     else:
         layout = _docs_layout(cu_seqlens, T, chunk)
     qc, kc, vc, gc = (_to_chunks(x, layout, chunk) for x in (q, k, v, g))
@@ -284,6 +297,8 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
         o, chunk_end_states = _BoundedIntraChunk.apply(qc, kc, vc, gc, bc, *carried_in, scale,
                                                       lower_bound, masks)
     o = _from_chunks(o, layout, T).to(q.dtype)
+    if packed_shape is not None:
+        o = o.reshape(*packed_shape, *o.shape[2:])
     if not output_final_state:
         return o, None
     if cu_seqlens is None:
@@ -293,24 +308,26 @@ def _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
 
 @dataclass
 class _SegmentMasks:
-    """Documents sharing chunks ([NC, C, *] bool): `same` pairs of one document, `continues`
-    tokens whose document began before the chunk (they see the carried state), `in_last`
-    tokens of the chunk's last document (they make the state carried on)."""
+    """Documents sharing chunks ([rows, 1, NC, C, *] bool, like the chunks [B, H, NC, C, *]):
+    `same` pairs of one document, `continues` tokens whose document began before the chunk
+    (they see the carried state), `in_last` tokens of the chunk's last document (they make the
+    state carried on)."""
 
     same: torch.Tensor
     continues: torch.Tensor
     in_last: torch.Tensor
 
 
-def _segment_masks(cu_seqlens: torch.Tensor, T: int, chunk: int) -> _SegmentMasks:
+def _segment_masks(cu_seqlens: torch.Tensor, T: int, chunk: int, rows: int) -> _SegmentMasks:
+    """The masks of the T packed tokens, split into `rows` rows of whole chunks (or one row)."""
     num_chunks = -(-T // chunk)
     seg = segment_ids(cu_seqlens.long(), T)
     # Padding after T (k = beta = 0: no effect on the state) counts as the last document.
     seg = torch.cat([seg, seg[-1:].expand(num_chunks * chunk - T)]).view(num_chunks, chunk)
     before = torch.cat([seg.new_full((1,), -1), seg[:-1, -1]])  # document before each chunk
-    return _SegmentMasks(same=(seg.unsqueeze(-1) == seg.unsqueeze(-2)),
-                         continues=(seg == before.unsqueeze(-1)).unsqueeze(-1),
-                         in_last=(seg == seg[:, -1:]).unsqueeze(-1))
+    masks = (seg.unsqueeze(-1) == seg.unsqueeze(-2), (seg == before.unsqueeze(-1)).unsqueeze(-1),
+             (seg == seg[:, -1:]).unsqueeze(-1))
+    return _SegmentMasks(*(m.view(rows, 1, num_chunks // rows, *m.shape[1:]) for m in masks))
 
 
 def _intra_chunk(q, k, v, g, beta, masks: _SegmentMasks | None = None):
@@ -442,13 +459,14 @@ class _BoundedIntraChunk(torch.autograd.Function):
 
 def _blocks(shape, masks):
     """Blocks of whole chunks of a [B, H, NC, C, K] tensor, about _BLOCK_ELEMENTS elements each,
-    with their masks ([n, 1, 1, C, ...])."""
+    with their masks, chunk-major ([n, B, 1, C, ...])."""
     B, H, NC, C, K = shape
     step = max(1, _BLOCK_ELEMENTS // (B * H * C * K))
     for start in range(0, NC, step):
         block = slice(start, min(start + step, NC))
         block_masks = None if masks is None else _SegmentMasks(
-            *(m[block, None, None] for m in (masks.same, masks.continues, masks.in_last)))
+            *(_chunk_major(m[:, :, block]) for m in (masks.same, masks.continues,
+                                                     masks.in_last)))
         yield block, block_masks
 
 
