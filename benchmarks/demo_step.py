@@ -65,14 +65,20 @@ def run_demo(checkout: Path, work: Path, steps: int, threads: int,
             "losses": [r["loss"] for r in rows]}
 
 
-def _demo_config():
+def _demo_config(data_dir: str | None = None):
+    """The README demo's config; `data_dir` replaces where its prepared data goes."""
+    import dataclasses
+
     from hydra import compose, initialize_config_dir
 
     from train.cli import CONFIG_DIR, register_configs, to_train_config
 
     register_configs()
     with initialize_config_dir(CONFIG_DIR, version_base=None):
-        return to_train_config(compose("train"))
+        cfg = to_train_config(compose("train"))
+    if data_dir is None:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, output_dir=data_dir))
 
 
 def flops_per_step() -> float:
@@ -96,8 +102,6 @@ def matmul_peak(threads: int) -> float:
 
 def profile_one_step(threads: int) -> None:
     """Top operators (self CPU time) of one training step of this checkout's demo config."""
-    import dataclasses
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -106,9 +110,7 @@ def profile_one_step(threads: int) -> None:
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _demo_config()
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
-                                                                output_dir=f"{tmp}/data"))
+        cfg = _demo_config(f"{tmp}/data")
         model = K3Model(cfg.model)
         batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
         accum = cfg.stage.global_batch_size // cfg.stage.micro_batch_size
@@ -131,7 +133,6 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3) -> None:
     same batches: the fastest time of each step, of its micro-batches' forwards (model hooks)
     and of its optimizer step (optimizer hooks); the remainder is the backwards, clipping, the
     balancers' update and zeroing the gradients."""
-    import dataclasses
     import time
 
     import torch
@@ -141,9 +142,7 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3) -> None:
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _demo_config()
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
-                                                                output_dir=f"{tmp}/data"))
+        cfg = _demo_config(f"{tmp}/data")
         device = torch.device("cpu")
         model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
         batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
