@@ -3,7 +3,7 @@ matmul probe and peak RSS of the whole process, for this checkout and, side by s
 run, for a baseline commit (checked out into a temporary git worktree).
 
     python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
-        [--profile] [--phases]
+        [--fused] [--profile] [--phases]
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
@@ -11,7 +11,7 @@ warm-up and not counted. MFU is this checkout's model FLOPs per step (train/flop
 median step time, against the best fp32 matmul probe of this benchmark process at the same
 thread count, taken before and after the runs (the loop's own MFU divides by one probe at its
 start-up, which a busy moment skews). `--compile` adds a row for this checkout with
-`compile=true`; `--profile` prints the torch profiler's top operators for one step of this
+`compile=true`, `--fused` one with `fused_kernels=true` (model/ops/fused.py); `--profile` prints the torch profiler's top operators for one step of this
 checkout; `--phases` splits this checkout's `train_step` into the model's forwards, the
 optimizer step and the rest (backwards, clipping, balancers), on the same prefetched batches.
 """
@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--baseline", help="git commit to measure side by side")
     parser.add_argument("--compile", action="store_true",
                         help="also measure this checkout with compile=true")
+    parser.add_argument("--fused", action="store_true",
+                        help="also measure this checkout with fused_kernels=true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--phases", action="store_true",
                         help="only time the phases of this checkout's train_step")
@@ -216,6 +218,9 @@ def main() -> None:
         if args.compile:
             results["compile=true"] = run_demo(REPO, tmp / "compiled", args.steps, args.threads,
                                                ("compile=true",))
+        if args.fused:
+            results["fused_kernels=true"] = run_demo(REPO, tmp / "fused", args.steps,
+                                                     args.threads, ("fused_kernels=true",))
     peaks.append(matmul_peak(args.threads))
     peak, flops = max(peaks), flops_per_step()
     print(f"k3-train demo, {args.steps} steps ({WARMUP_STEPS} warm-up), {args.threads} threads")

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from .ops.fused import fusable
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least fp32: low-precision inputs are upcast, fp64 (used by tests) is kept."""
@@ -29,28 +31,36 @@ class _SiTUGLU(torch.autograd.Function):
     def forward(ctx, gate, up, beta_gate, beta_up):
         ctx.save_for_backward(gate, up)
         ctx.betas = beta_gate, beta_up
-        # The reference's ops in its order: the forward is bitwise the same.
-        return situ_glu_reference(gate, up, beta_gate, beta_up)
+        # The reference's ops in its order: unfused, the forward is bitwise the same.
+        return _situ_glu_forward(gate, up, beta_gate, beta_up)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        beta_gate, beta_up = ctx.betas
-        dtype = _compute_dtype(gate.dtype)
-        g, u, grad = gate.to(dtype), up.to(dtype), grad_out.to(dtype)
-        # In place where a buffer is free: the recomputation is most of this function's time.
-        sigmoid_gate = torch.sigmoid(g)
-        tanh_gate = torch.tanh(g / beta_gate)
-        tanh_up = torch.tanh(u / beta_up)
-        grad_sigmoid = grad * sigmoid_gate
-        capped_gate = tanh_gate * beta_gate
-        # d/dx beta tanh(x / beta) = 1 - tanh^2; d/dx sigmoid = sigmoid (1 - sigmoid).
-        grad_up = torch.addcmul(torch.ones((), dtype=dtype), tanh_up, tanh_up, value=-1)
-        grad_up.mul_(capped_gate).mul_(grad_sigmoid)
-        d_gate = sigmoid_gate.neg_().add_(1).mul_(capped_gate)  # capped_gate (1 - sigmoid)
-        d_gate.addcmul_(tanh_gate, tanh_gate, value=-1).add_(1)
-        grad_gate = d_gate.mul_(tanh_up).mul_(grad_sigmoid).mul_(beta_up)
-        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
+        return *_situ_glu_backward(gate, up, grad_out, *ctx.betas), None, None
+
+
+_situ_glu_forward = fusable(situ_glu_reference)
+
+
+@fusable
+def _situ_glu_backward(gate, up, grad_out, beta_gate: float, beta_up: float):
+    """The gradients of gate and up, recomputing the tanh and sigmoid."""
+    dtype = _compute_dtype(gate.dtype)
+    g, u, grad = gate.to(dtype), up.to(dtype), grad_out.to(dtype)
+    # In place where a buffer is free: the recomputation is most of this function's time.
+    sigmoid_gate = torch.sigmoid(g)
+    tanh_gate = torch.tanh(g / beta_gate)
+    tanh_up = torch.tanh(u / beta_up)
+    grad_sigmoid = grad * sigmoid_gate
+    capped_gate = tanh_gate * beta_gate
+    # d/dx beta tanh(x / beta) = 1 - tanh^2; d/dx sigmoid = sigmoid (1 - sigmoid).
+    grad_up = torch.addcmul(torch.ones((), dtype=dtype), tanh_up, tanh_up, value=-1)
+    grad_up.mul_(capped_gate).mul_(grad_sigmoid)
+    d_gate = sigmoid_gate.neg_().add_(1).mul_(capped_gate)  # capped_gate (1 - sigmoid)
+    d_gate.addcmul_(tanh_gate, tanh_gate, value=-1).add_(1)
+    grad_gate = d_gate.mul_(tanh_up).mul_(grad_sigmoid).mul_(beta_up)
+    return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0,

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from .dtypes import upcast
+from .ops.fused import fusable
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -22,29 +23,42 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        x32 = upcast(x)
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        y, rstd = _rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        # The reference's ops in its order: the forward is bitwise the same.
-        y = x32 * rstd
-        if weight is not None:
-            y = y * weight.to(x32.dtype)
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        x_hat = upcast(x) * rstd
-        grad = grad_out.to(x_hat.dtype)
-        grad_weight = None
-        if weight is not None:
-            if ctx.needs_input_grad[1]:
-                rows = tuple(range(grad.dim() - 1))
-                grad_weight = (grad * x_hat).sum(rows).to(weight.dtype)
-            grad = grad * weight.to(x_hat.dtype)
-        # d x_hat / dx: rstd (g - x_hat mean(g x_hat)), the projection off x's direction.
-        grad_x = rstd * (grad - x_hat * (grad * x_hat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        grad_x, grad_weight = _rms_norm_backward(x, weight, rstd, grad_out,
+                                                 weight is not None and ctx.needs_input_grad[1])
+        return grad_x, grad_weight, None
+
+
+@fusable
+def _rms_norm_forward(x, weight, eps: float):
+    """(y, 1 / rms per row); the reference's ops in its order: unfused, y is bitwise the same."""
+    x32 = upcast(x)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = x32 * rstd
+    if weight is not None:
+        y = y * weight.to(x32.dtype)
+    return y.to(x.dtype), rstd
+
+
+@fusable
+def _rms_norm_backward(x, weight, rstd, grad_out, need_weight: bool):
+    x_hat = upcast(x) * rstd
+    grad = grad_out.to(x_hat.dtype)
+    grad_weight = None
+    if weight is not None:
+        if need_weight:
+            rows = tuple(range(grad.dim() - 1))
+            grad_weight = (grad * x_hat).sum(rows).to(weight.dtype)
+        grad = grad * weight.to(x_hat.dtype)
+    # d x_hat / dx: rstd (g - x_hat mean(g x_hat)), the projection off x's direction.
+    grad_x = rstd * (grad - x_hat * (grad * x_hat).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops.fused import fusable
+
 
 def _same_document(segments: torch.Tensor, shift: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, T, 1]: 1 where position t - shift exists and is in t's document, else 0."""
@@ -62,26 +64,34 @@ class _DocCausalConv1dSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, segments):
         ctx.save_for_backward(x, weight, segments)
-        return doc_causal_conv1d_silu_reference(x, weight, segments)
+        return _conv_silu_forward(x, weight, segments)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, segments = ctx.saved_tensors
-        kernel = weight.shape[-1]
-        shifts = list(_shifts(x, segments, kernel))  # kept for the weight's gradient
-        grad_pre = torch.ops.aten.silu_backward(grad_out, _conv(weight, shifts))
-        grad_x, grad_weight = None, []  # grad_weight by shift: column kernel - 1 - shift
-        for shift, shifted, mask in shifts:
-            grad_term = grad_pre if mask is None else grad_pre * mask
-            grad_weight.append((grad_term * shifted).sum((0, 1)))
-            # y[t] read x[t - shift]: x[t] gets y[t + shift]'s gradient.
-            from_later = grad_term[:, shift:] * weight[:, kernel - 1 - shift]
-            if grad_x is None:
-                grad_x = from_later
-            else:
-                grad_x[:, :-shift] += from_later
-        grad_weight = torch.stack(grad_weight[::-1], dim=-1)
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+        return *_conv_silu_backward(*ctx.saved_tensors, grad_out), None
+
+
+_conv_silu_forward = fusable(doc_causal_conv1d_silu_reference)
+
+
+@fusable
+def _conv_silu_backward(x, weight, segments, grad_out):
+    """The gradients of x and the weight, recomputing the convolution."""
+    kernel = weight.shape[-1]
+    shifts = list(_shifts(x, segments, kernel))  # kept for the weight's gradient
+    grad_pre = torch.ops.aten.silu_backward(grad_out, _conv(weight, shifts))
+    grad_x, grad_weight = None, []  # grad_weight by shift: column kernel - 1 - shift
+    for shift, shifted, mask in shifts:
+        grad_term = grad_pre if mask is None else grad_pre * mask
+        grad_weight.append((grad_term * shifted).sum((0, 1)))
+        # y[t] read x[t - shift]: x[t] gets y[t + shift]'s gradient.
+        from_later = grad_term[:, shift:] * weight[:, kernel - 1 - shift]
+        if grad_x is None:
+            grad_x = from_later
+        else:
+            grad_x[:, :-shift] += from_later
+    grad_weight = torch.stack(grad_weight[::-1], dim=-1)
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
 
 
 def doc_causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor,

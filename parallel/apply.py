@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from model.k3 import K3Model
 from model.mla import GatedMLA
+from model.ops.fused import enable_fused_kernels
 from train.flops import head_forward_flops_per_token, layer_forward_flops_per_token
 from train.optim.muon import LocalExchange, MatrixExchange
 from train.optim.qk_clip import qk_clip_factors
@@ -301,6 +302,7 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         apply_activation_checkpointing(model, autocast)
     if cfg.compile:
         compile_sublayers(model)
+    enable_fused_kernels(cfg.fused_kernels)
     if topology is not None and topology.pp > 1:
         plan.pipeline = _pipeline_step(model, topology, cfg, mesh)
     # Expert parallelism with data_shard=none reduces its gradients by hand (finish_gradients).

@@ -46,6 +46,7 @@ import torch
 
 from model.batch import segment_ids
 from model.dtypes import compute_dtype, upcast
+from model.ops.fused import fusable
 
 SUB_TILE = 16
 SAFE_LOWER_BOUND = -5.0
@@ -480,6 +481,7 @@ def _from_chunk_major(x):
     return x.permute(1, 2, 0, *range(3, x.dim()))
 
 
+@fusable
 def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
     """Returns Aqk, U, W, q exp(Gc), exp(Gc_last - Gc) k, exp(Gc_last), Akk and the inverse."""
     G = g.clamp(min=lower_bound).cumsum_(-2)
@@ -515,6 +517,7 @@ def _bounded_forward(q, k, v, g, beta, scale, lower_bound, masks):
     return Aqk, U, W, q_decayed, k_to_end, chunk_decay, Akk, inverse
 
 
+@fusable
 def _bounded_backward(q, k, v, g, beta, Akk, inverse, dAqk, dU, dW, dq_decayed, dk_to_end,
                       dchunk_decay, scale, lower_bound, masks):
     """Gradients of q, k, v, g and beta from those of _bounded_forward's first six outputs."""
@@ -580,9 +583,7 @@ def _tile_factors(q, k, G):
     Gt = _to_tiles(G)
     refs = Gt[..., _TILE_REF:_TILE_REF + 1, :]
     row = (Gt - refs).exp_()
-    rows = row.new_empty(*row.shape[:-2], 2, *row.shape[-2:])
-    torch.mul(_to_tiles(q), row, out=rows[..., 0, :, :])
-    torch.mul(_to_tiles(k), row, out=rows[..., 1, :, :])
+    rows = torch.stack((_to_tiles(q), _to_tiles(k)), dim=-3).mul_(row.unsqueeze(-3))
     return row, rows.flatten(-3, -2), refs
 
 

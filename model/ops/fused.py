@@ -1,0 +1,64 @@
+"""Element-wise kernels fused by torch.compile where the run asks for it (`fused_kernels=true`).
+
+In eager torch every element-wise op is one pass over memory: at k3_tiny's width the chains
+inside the model's autograd functions (SiTU-GLU, RMSNorm, the short convolution, the KDA
+intra-chunk work) are most of a CPU step, and their matmuls are not. Inductor turns each chain
+into one loop over the elements. The functions marked `fusable` are pure tensor code called
+under no_grad (from an autograd function's forward or backward), so inductor compiles inference
+graphs; the marked function itself is the eager form and what runs when fusion is off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_enabled = False
+_compiled: list[str] = []  # the kernels compiled so far, by name
+
+
+# Graphs per kernel: each dtype, tensor rank and None-ness of an optional argument compiles one,
+# a size that changes one more (with that size dynamic); a K3 run meets a few, a test suite more.
+_GRAPHS_PER_KERNEL = 64
+
+
+def enable_fused_kernels(enabled: bool) -> None:
+    """Process-wide, like torch.backends' flags: the model's modules call the kernels deep inside
+    autograd functions, where no module attribute reaches."""
+    global _enabled
+    _enabled = enabled
+    if enabled:
+        import torch._dynamo  # here, not at the top: it imports sympy and inductor's config
+
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, _GRAPHS_PER_KERNEL)
+
+
+def fused_kernels_enabled() -> bool:
+    return _enabled
+
+
+def compiled_kernels() -> list[str]:
+    """The qualified names of the kernels compiled so far in this process."""
+    return list(_compiled)
+
+
+def fusable(fn):
+    """`fn` compiled on first use when fused kernels are on (for the sizes seen first, and once
+    more with dynamic sizes where they change, as the vision tower's patch counts do); `fn`
+    itself otherwise, and inside a graph that torch.compile is already tracing (which then fuses
+    it with its surroundings)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if not _enabled or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn, fullgraph=True)
+            _compiled.append(f"{fn.__module__}.{fn.__qualname__}")
+        return compiled(*args, **kwargs)
+
+    return call

@@ -1,0 +1,96 @@
+"""fused_kernels=true: the compiled element-wise kernels (model/ops/fused.py) against the plain
+references, with the tolerances of the eager forms' own tests (fp32 1e-6, KDA's 5e-3 against
+the recurrence), forward and every gradient. Each kernel compiles once here (seconds each)."""
+
+import pytest
+import torch
+
+from model.activations import situ_glu, situ_glu_reference
+from model.norms import rms_norm, rms_norm_reference
+from model.ops import fused
+from model.ops.kda import kda_chunk, kda_recurrent
+from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
+from tests.test_kda_ops import BOUND, TOL, assert_all_close, cotangents_for, make_inputs, run
+from tests.tolerances import assert_close_rms
+
+
+@pytest.fixture
+def fused_kernels():
+    fused.enable_fused_kernels(True)
+    yield
+    fused.enable_fused_kernels(False)
+
+
+def _forward_and_grads(fn, inputs, cotangent):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    out.backward(cotangent)
+    return [out, *(x.grad for x in leaves)]
+
+
+def _assert_matches(reference, fast, inputs, what):
+    torch.manual_seed(0)
+    cotangent = torch.randn_like(reference(*inputs))
+    expected = _forward_and_grads(reference, inputs, cotangent)
+    got = _forward_and_grads(fast, inputs, cotangent)
+    for name, ref, x in zip(["out", *(f"d{i}" for i in range(len(inputs)))], expected, got):
+        assert_close_rms(ref, x, 1e-6, f"{what}: {name}")
+
+
+def test_element_wise_kernels_compile_and_match_the_references(fused_kernels):
+    torch.manual_seed(0)
+    gate, up = torch.randn(2, 4096, 64) * 4
+    _assert_matches(situ_glu_reference, situ_glu, (gate, up), "SiTU-GLU")
+    x, weight = torch.randn(4, 512, 64) * 3, 1 + 0.1 * torch.randn(64)
+    _assert_matches(lambda x, w: rms_norm_reference(x, w, 1e-5),
+                    lambda x, w: rms_norm(x, w, 1e-5), (x, weight), "RMSNorm")
+    _assert_matches(lambda x: rms_norm_reference(x, None, 1e-5),
+                    lambda x: rms_norm(x, None, 1e-5), (x,), "RMSNorm without a weight")
+    segments = torch.zeros(4, 512, dtype=torch.long)
+    segments[:, 300:] = 1
+    segments[1, 77:] += 1
+    conv_weight = torch.randn(64, 4) / 2
+    _assert_matches(lambda x, w: doc_causal_conv1d_silu_reference(x, w, segments),
+                    lambda x, w: doc_causal_conv1d_silu(x, w, segments), (x, conv_weight),
+                    "short conv + SiLU")
+    compiled = set(fused.compiled_kernels())
+    for kernel in ("activations.situ_glu_reference", "activations._situ_glu_backward",
+                   "norms._rms_norm_forward", "norms._rms_norm_backward",
+                   "short_conv.doc_causal_conv1d_silu_reference",
+                   "short_conv._conv_silu_backward"):
+        assert f"model.{kernel}" in compiled, (kernel, compiled)
+
+
+def test_bounded_kda_kernels_compile_and_match_the_recurrence(fused_kernels):
+    """Packed documents in rows that each start one, initial states: the layer's case."""
+    torch.manual_seed(0)
+    lengths = [100, 156, 40, 216]  # two rows of 256: the second row holds two documents
+    inputs = make_inputs(1, sum(lengths), num_states=len(lengths))
+    cu_seqlens = torch.tensor([0, 100, 256, 296, 512])
+    cot = cotangents_for(inputs, len(lengths))
+    ref = run(kda_recurrent, inputs, cot, cu_seqlens=cu_seqlens)
+    got = run(kda_chunk, inputs, cot, cu_seqlens=cu_seqlens, lower_bound=BOUND, rows=2,
+              chunk_size=32)
+    assert_all_close(ref, got)
+    for kernel in ("_bounded_forward", "_bounded_backward"):
+        assert f"model.ops.kda.{kernel}" in fused.compiled_kernels()
+    # Against the eager chunk form: fp32 round-off only.
+    fused.enable_fused_kernels(False)
+    eager = run(kda_chunk, inputs, cot, cu_seqlens=cu_seqlens, lower_bound=BOUND, rows=2,
+                chunk_size=32)
+    for name in eager:
+        assert_close_rms(eager[name], got[name], 1e-5, f"eager vs fused: {name}")
+
+
+def test_the_run_config_switches_them(fused_kernels):
+    from model.k3 import K3Model
+    from parallel.apply import parallelize
+    from train.config import TrainConfig
+
+    cfg = TrainConfig()
+    model = K3Model(cfg.model)
+    parallelize(model, None, cfg)
+    assert not fused.fused_kernels_enabled()
+    cfg.fused_kernels = True
+    parallelize(model, None, cfg)
+    assert fused.fused_kernels_enabled()
