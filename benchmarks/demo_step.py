@@ -11,9 +11,11 @@ warm-up and not counted. MFU is this checkout's model FLOPs per step (train/flop
 median step time, against the best fp32 matmul probe of this benchmark process at the same
 thread count, taken before and after the runs (the loop's own MFU divides by one probe at its
 start-up, which a busy moment skews). `--compile` adds a row for this checkout with
-`compile=true`, `--fused` one with `fused_kernels=true` (model/ops/fused.py); `--profile` prints the torch profiler's top operators for one step of this
-checkout; `--phases` splits this checkout's `train_step` into the model's forwards, the
-optimizer step and the rest (backwards, clipping, balancers), on the same prefetched batches.
+`compile=true`, `--fused` one with `fused_kernels=true` (model/ops/fused.py); `--profile`
+prints the torch profiler's top operators for one step of this checkout; `--phases` splits this checkout's `train_step` into the model's forwards, the
+optimizer step and the rest (backwards, clipping, balancers), on the same prefetched batches,
+with `--fused` for eager and compiled kernels alternated in that one process (the side-by-side
+figure: separate runs differ by up to 20% on a shared machine).
 """
 
 from __future__ import annotations
@@ -128,15 +130,17 @@ def profile_one_step(threads: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def phase_times(threads: int, steps: int = 4, passes: int = 3) -> None:
+def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = False) -> None:
     """The loop's own `train_step` on `steps` prefetched global batches, `passes` times over the
     same batches: the fastest time of each step, of its micro-batches' forwards (model hooks)
     and of its optimizer step (optimizer hooks); the remainder is the backwards, clipping, the
-    balancers' update and zeroing the gradients."""
+    balancers' update and zeroing the gradients. `fused` alternates every pass between eager
+    and compiled kernels (fused_kernels; an untimed pass compiles them first)."""
     import time
 
     import torch
 
+    from model.ops.fused import enable_fused_kernels
     from train.data import build_loader
     from train.loop import build_parallel_model, train_step
 
@@ -163,25 +167,42 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3) -> None:
         for opt in optimizers:
             opt.register_step_pre_hook(opening("optimizer"))
             opt.register_step_post_hook(closing("optimizer"))
-        best = [{"step": math.inf, "forward": math.inf, "optimizer": math.inf}
-                for _ in global_batches]
-        for _ in range(passes):
-            for fastest, micro_batches in zip(best, global_batches):
-                spans.update(forward=0.0, optimizer=0.0)
-                start = time.perf_counter()
+        modes = (False, True) if fused else (False,)
+        if fused:
+            enable_fused_kernels(True)
+            for micro_batches in global_batches:  # compiles the kernels
                 train_step(model, optimizers, micro_batches, device, precision, parallel,
                            cfg.optim)
-                times = {"step": time.perf_counter() - start, **spans}
-                for key, value in times.items():
-                    fastest[key] = min(fastest[key], value)
-    print(f"train_step phases, {threads} threads, fastest of {passes} passes [ms]:")
-    print(f"{'step':<5} {'images':>6} {'whole':>8} {'forwards':>9} {'optimizer':>10} "
-          f"{'rest':>8}")
-    for i, (fastest, micro_batches) in enumerate(zip(best, global_batches)):
-        images = sum(0 if mb.vision is None else len(mb.vision.grid_thw) for mb in micro_batches)
-        rest = fastest["step"] - fastest["forward"] - fastest["optimizer"]
-        print(f"{i:<5} {images:>6} {fastest['step'] * 1e3:>8.1f} {fastest['forward'] * 1e3:>9.1f} "
-              f"{fastest['optimizer'] * 1e3:>10.1f} {rest * 1e3:>8.1f}")
+        best = {mode: [{"step": math.inf, "forward": math.inf, "optimizer": math.inf}
+                       for _ in global_batches] for mode in modes}
+        for _ in range(passes):
+            for mode in modes:
+                enable_fused_kernels(mode)
+                for fastest, micro_batches in zip(best[mode], global_batches):
+                    spans.update(forward=0.0, optimizer=0.0)
+                    start = time.perf_counter()
+                    train_step(model, optimizers, micro_batches, device, precision, parallel,
+                               cfg.optim)
+                    times = {"step": time.perf_counter() - start, **spans}
+                    for key, value in times.items():
+                        fastest[key] = min(fastest[key], value)
+    for mode in modes:
+        kernels = "compiled" if mode else "eager"
+        print(f"train_step phases, {threads} threads, {kernels} kernels, fastest of {passes} "
+              "passes [ms]:")
+        print(f"{'step':<5} {'images':>6} {'whole':>8} {'forwards':>9} {'optimizer':>10} "
+              f"{'rest':>8}")
+        for i, (fastest, micro_batches) in enumerate(zip(best[mode], global_batches)):
+            images = sum(0 if mb.vision is None else len(mb.vision.grid_thw)
+                         for mb in micro_batches)
+            rest = fastest["step"] - fastest["forward"] - fastest["optimizer"]
+            print(f"{i:<5} {images:>6} {fastest['step'] * 1e3:>8.1f} "
+                  f"{fastest['forward'] * 1e3:>9.1f} {fastest['optimizer'] * 1e3:>10.1f} "
+                  f"{rest * 1e3:>8.1f}")
+    if fused:
+        eager, compiled = (sum(f["step"] for f in best[mode]) for mode in modes)
+        print(f"whole steps, summed: eager {eager:.3f} s, compiled {compiled:.3f} s "
+              f"({eager / compiled:.2f}x)")
 
 
 def main() -> None:
@@ -198,7 +219,7 @@ def main() -> None:
                         help="only time the phases of this checkout's train_step")
     args = parser.parse_args()
     if args.phases:
-        phase_times(args.threads)
+        phase_times(args.threads, fused=args.fused)
         return
     results = {}
     peaks = [matmul_peak(args.threads)]
