@@ -70,6 +70,13 @@ class KimiDeltaAttention(nn.Module):
                            + math.log(dt_min)).clamp_min(1e-4)
             self.decay_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
+    # The chunk form, replaceable from outside: compile_sublayers (train/) keeps it out of the
+    # torch.compile graphs. Its torch path loops in Python over blocks and chunks, which dynamo
+    # would unroll (a graph that grows with the sequence length and compiles again for each new
+    # one; 35 s of the 107 s that compiling k3_tiny took); on CUDA it is fla's Triton kernel.
+    # Its element-wise kernels compile with fused_kernels=true instead (model/ops/fused.py).
+    chunk_op = staticmethod(kda_chunk)
+
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 segments: torch.Tensor | None) -> torch.Tensor:
         """x [B, T, d]; cu_seqlens over the flattened B*T tokens and segments [B, T] the document
@@ -87,8 +94,8 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(z, self.a_log, self.gate_kind, self.lower_bound)
         # Only the K3 gate has a bound (fla's safe-gate kernel, the torch path's dense sub-tiles).
         bound = self.lower_bound if self.gate_kind == "lower_bound" else None
-        kda = functools.partial(kda_chunk, chunk_size=self.chunk_size, backend=self.backend,
-                                lower_bound=bound)
+        kda = functools.partial(self.chunk_op, chunk_size=self.chunk_size,
+                                backend=self.backend, lower_bound=bound)
         if cu_seqlens is not None:  # all rows as one packed sequence with document boundaries
             flat = (1, b * t, -1, hd)
             packed = (q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),

@@ -172,19 +172,17 @@ def test_lower_bound_must_be_negative():
 
 
 @pytest.mark.parametrize("gate, bound", [("lower_bound", BOUND), ("kimi_linear", None)])
-def test_layer_passes_only_the_k3_gate_bound(monkeypatch, gate, bound):
-    import model.kda as kda_layer
-
+def test_layer_passes_only_the_k3_gate_bound(gate, bound):
     seen = []
 
     def recording_kda_chunk(*args, **kwargs):
         seen.append(kwargs["lower_bound"])
         return kda_chunk(*args, **kwargs)
 
-    monkeypatch.setattr(kda_layer, "kda_chunk", recording_kda_chunk)
     cfg = k3_tiny()
     cfg = replace(cfg, kda=KDAConfig(**{**cfg.kda.__dict__, "gate": gate}))
     layer = KimiDeltaAttention(cfg)
+    layer.chunk_op = recording_kda_chunk
     x = torch.randn(1, 40, cfg.hidden_size)
     layer(x, None, None)
     layer(x, torch.tensor([0, 15, 40]), torch.tensor([[0] * 15 + [1] * 25]))

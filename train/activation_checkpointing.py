@@ -20,6 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.k3 import K3Model
+from model.kda import KimiDeltaAttention
+from model.ops.kda import kda_chunk
 from model.moe import LatentMoE
 
 
@@ -77,10 +79,13 @@ def apply_activation_checkpointing(model: K3Model,
 def compile_sublayers(model: K3Model) -> None:
     """torch.compile of every decoder sublayer (the AttnRes bookkeeping between them stays
     eager: it is a few additions over Python lists); modules that set `compile_disabled` (the
-    grouped experts) run eagerly inside the compiled graphs."""
+    grouped experts) and the KDA chunk form (`KimiDeltaAttention.chunk_op`) run eagerly inside
+    the compiled graphs."""
     for layer in model.layers.values():
         for sub in (layer.attn, layer.mlp):
             for module in sub.modules():
                 if getattr(module, "compile_disabled", False):
                     module.forward = torch.compiler.disable(module.forward)
+                if isinstance(module, KimiDeltaAttention):
+                    module.chunk_op = torch.compiler.disable(kda_chunk)
             sub.forward = torch.compile(sub.forward)
