@@ -82,6 +82,26 @@ def test_bounded_kda_kernels_compile_and_match_the_recurrence(fused_kernels):
         assert_close_rms(eager[name], got[name], 1e-5, f"eager vs fused: {name}")
 
 
+class _Subclass(torch.Tensor):
+    """Stands for DTensor: any tensor subclass."""
+
+
+def test_only_plain_tensors_take_the_compiled_kernel(fused_kernels):
+    @fused.fusable
+    def double_plus_one(x):
+        return x * 2 + 1
+
+    def compiled():
+        return any("double_plus_one" in name for name in fused.compiled_kernels())
+
+    x = torch.arange(4.0)
+    fused.enable_fused_kernels(False)
+    assert torch.equal(double_plus_one(x), x * 2 + 1) and not compiled()  # off: the eager form
+    fused.enable_fused_kernels(True)
+    assert torch.equal(double_plus_one(x.as_subclass(_Subclass)), x * 2 + 1) and not compiled()
+    assert torch.equal(double_plus_one(x), x * 2 + 1) and compiled()
+
+
 def test_the_run_config_switches_them(fused_kernels):
     from model.k3 import K3Model
     from parallel.apply import parallelize

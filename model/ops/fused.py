@@ -44,17 +44,24 @@ def compiled_kernels() -> list[str]:
     return list(_compiled)
 
 
+def _plain_tensors(args) -> bool:
+    """No tensor subclass among args: a DTensor (sequence parallelism hands the norms DTensors)
+    shards each op in its own dispatch, which these kernels are not compiled or tested for."""
+    return all(type(a) in (torch.Tensor, torch.nn.Parameter) for a in args
+               if isinstance(a, torch.Tensor))
+
+
 def fusable(fn):
     """`fn` compiled on first use when fused kernels are on (for the sizes seen first, and once
     more with dynamic sizes where they change, as the vision tower's patch counts do); `fn`
-    itself otherwise, and inside a graph that torch.compile is already tracing (which then fuses
-    it with its surroundings)."""
+    itself otherwise, for tensor subclasses (DTensor), and inside a graph that torch.compile is
+    already tracing (which then fuses it with its surroundings)."""
     compiled = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        if not _enabled or torch.compiler.is_compiling():
+        if not _enabled or torch.compiler.is_compiling() or not _plain_tensors(args):
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, fullgraph=True)
