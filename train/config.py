@@ -160,7 +160,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     # torch.compile of only the element-wise kernels inside the model's autograd functions
-    # (model/ops/fused.py): seconds to compile, not the sublayers' minutes.
+    # (model/ops/fused.py), not of whole sublayers as `compile` does.
     fused_kernels: bool = False
     max_nonfinite_in_a_row: int = 5
     deterministic: bool = True
