@@ -12,10 +12,11 @@ median step time, against the best fp32 matmul probe of this benchmark process a
 thread count, taken before and after the runs (the loop's own MFU divides by one probe at its
 start-up, which a busy moment skews). `--compile` adds a row for this checkout with
 `compile=true`, `--fused` one with `fused_kernels=true` (model/ops/fused.py); `--profile`
-prints the torch profiler's top operators for one step of this checkout; `--phases` splits this checkout's `train_step` into the model's forwards, the
-optimizer step and the rest (backwards, clipping, balancers), on the same prefetched batches,
-with `--fused` for eager and compiled kernels alternated in that one process (the side-by-side
-figure: separate runs differ by up to 20% on a shared machine).
+prints the torch profiler's top operators for one step of this checkout; `--phases` splits this
+checkout's `train_step` into the model's forwards, the optimizer step and the rest (backwards,
+clipping, balancers), on the same prefetched batches, with `--fused` for eager and compiled
+kernels alternated in that one process (the side-by-side figure: separate runs differ by up to
+20% on a shared machine).
 """
 
 from __future__ import annotations
