@@ -10,7 +10,7 @@ from model.norms import rms_norm, rms_norm_reference
 from model.ops import fused
 from model.ops.kda import kda_chunk, kda_recurrent
 from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
-from tests.test_kda_ops import BOUND, TOL, assert_all_close, cotangents_for, make_inputs, run
+from tests.test_kda_ops import BOUND, assert_all_close, cotangents_for, make_inputs, run
 from tests.tolerances import assert_close_rms
 
 

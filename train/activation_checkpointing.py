@@ -21,8 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from model.k3 import K3Model
 from model.kda import KimiDeltaAttention
-from model.ops.kda import kda_chunk
 from model.moe import LatentMoE
+from model.ops.kda import kda_chunk
 
 
 def _balancers(module: nn.Module) -> list:
