@@ -663,8 +663,8 @@ class _StatePass(torch.autograd.Function):
         Aqk, W, q_decayed, k_to_end, chunk_decay, _, new_values, _ = saved
         carry = _CarryBackward(*saved, do, dout_states,
                                ctx.inits_shape if ctx.needs_input_grad[7] else None)
-        grads = [torch.empty_like(x) for x in (Aqk, new_values, W, q_decayed, k_to_end,
-                                               chunk_decay)]
+        grads = [_from_chunk_major(x.new_empty(x.shape[2], *x.shape[:2], *x.shape[3:]))
+                 for x in (Aqk, new_values, W, q_decayed, k_to_end, chunk_decay)]
         carry.run(range(new_values.shape[2]), grads)
         return *grads, carry.initial_state_grad(), carry.dinits, None
 
@@ -673,11 +673,12 @@ class _CarryForward:
     """Carries the state across chunks (the only sequential part): `run` over consecutive
     ranges of chunks in order, each given that range's Aqk, U, W, q exp(G), exp(G_last - G) k
     and exp(G_last) [B, H, n, ...]. Per chunk c: S_c (the state entering it; a chunk that starts
-    a document loads inits[c], zeros without inits), Vn_c = U_c - W_c S_c,
-    O_c = (Q exp(G))_c S_c + Aqk_c Vn_c and S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c. Every
-    matmul of a chunk runs while its state is in cache and writes (or accumulates) into
-    preallocated buffers (no per-chunk autograd graph; chunk-major inputs make each chunk's
-    slice contiguous)."""
+    a document loads inits[c], zeros without inits), Vn_c = U_c - W_c S_c and
+    S_{c+1} = Diag(decay_c) S_c + K_end,c^T Vn_c in the loop, then for the whole range at once
+    O_c = (Q exp(G))_c S_c + Aqk_c Vn_c (two batched matmuls: at narrow heads each small matmul
+    costs more in dispatch than in arithmetic, so the loop keeps only what depends on the carried
+    state). Everything writes into preallocated buffers (no per-chunk autograd graph;
+    chunk-major inputs make each chunk's slice contiguous)."""
 
     def __init__(self, state, inits, starts, num_chunks, chunk):
         B, H, K, V = state.shape
@@ -687,12 +688,10 @@ class _CarryForward:
         self.states[0] = state
         self.new_values = _from_chunk_major(state.new_empty(num_chunks, B, H, chunk, V))
         # o [B, H, NC, C, V] stored token-major, so that _from_chunks is a view, and not itself
-        # a view (autograd refuses in-place ops on views of a custom function's outputs): each
-        # chunk's output is computed in a scratch buffer that stays in cache, then copied.
+        # a view (autograd refuses in-place ops on views of a custom function's outputs).
         self.o = torch.empty_strided(
             (B, H, num_chunks, chunk, V), (num_chunks * chunk * H * V, V, chunk * H * V, H * V, 1),
             dtype=state.dtype, device=state.device)
-        self.o_chunk = state.new_empty(B * H, chunk, V)
         self.end_states = (state.new_empty(num_chunks, B, H, K, V) if starts is not None
                            else self.states[1:])
         # Each chunk's [B * H, ...] views, made once (per-chunk indexing costs more than the
@@ -700,25 +699,24 @@ class _CarryForward:
         self.state_views = self.states.flatten(1, 2).unbind(0)
         self.end_views = self.end_states.flatten(1, 2).unbind(0)
         self.value_views = _per_chunk(self.new_values)
-        self.o_views = self.o.unbind(2)
 
     def run(self, chunks: range, Aqk, U, W, q_decayed, k_to_end, chunk_decay):
-        starts, o_chunk = self.starts, self.o_chunk
-        B, H, _, C, V = self.o.shape
-        per_chunk = zip(chunks, *(_per_chunk(x) for x in (Aqk, U, W, q_decayed, k_to_end,
-                                                          chunk_decay)))
-        with _threads_for(o_chunk):
-            for c, Aqk_c, U_c, W_c, q_c, k_end_c, decay_c in per_chunk:
+        starts = self.starts
+        per_chunk = zip(chunks, *(_per_chunk(x) for x in (U, W, k_to_end, chunk_decay)))
+        with _threads_for(self.value_views[0]):
+            for c, U_c, W_c, k_end_c, decay_c in per_chunk:
                 S, end = self.state_views[c], self.end_views[c]
                 if starts is not None:  # the state carried in: end_states[c - 1], or the given
                     carried = self.end_views[c - 1] if c else S
                     loaded = S.new_zeros(()) if self.inits is None else self.inits[c].flatten(0, 1)
                     torch.where(starts[c], loaded, carried, out=S)
                 vn = torch.baddbmm(U_c, W_c, S, alpha=-1, out=self.value_views[c])
-                torch.bmm(q_c, S, out=o_chunk)
-                _accumulate_bmm(o_chunk, Aqk_c, vn)
-                self.o_views[c].copy_(o_chunk.view(B, H, C, V))
                 _accumulate_bmm(torch.mul(decay_c.mT, S, out=end), k_end_c.mT, vn)
+        block = slice(chunks.start, chunks.stop)
+        o = torch.bmm(_chunk_batch(q_decayed), self.states[block].flatten(0, 2))
+        _accumulate_bmm(o, _chunk_batch(Aqk), _chunk_batch(self.new_values[:, :, block]))
+        B, H = self.o.shape[:2]
+        self.o[:, :, block] = _from_chunk_major(o.view(len(chunks), B, H, *o.shape[1:]))
 
     def results(self):
         """o [B, H, NC, C, V], the state after each chunk [B, H, NC, K, V] for packed documents
@@ -733,11 +731,15 @@ class _CarryForward:
 
 
 class _CarryBackward:
-    """The state pass's backward, chunk by chunk in reverse order: `run` over any descending
-    sequence of ranges of chunks, each writing the gradients of its chunks' Aqk, U, W,
-    q exp(G), exp(G_last - G) k and exp(G_last) into buffers [B, H, n, ...] for that range.
-    It carries dstate, the gradient of the state after the chunk being processed, [B * H, K, V]
-    (and with packed documents the initial states' gradients, dinits)."""
+    """The state pass's backward in reverse chunk order: `run` over any descending sequence of
+    ranges of chunks, each writing the gradients of its chunks' Aqk, U, W, q exp(G),
+    exp(G_last - G) k and exp(G_last) into chunk-major buffers [B, H, n, ...] for that range.
+    Only the carried gradient dstate (of the state after the chunk being processed,
+    [B * H, K, V]) is sequential: per chunk dVn += K_end dstate and
+    dstate <- Diag(decay) dstate + (Q exp(G))^T dO - W^T dVn. What does not depend on it
+    (dAqk, dq exp(G), Aqk^T dO, (Q exp(G))^T dO) is computed for the range before the loop and
+    what only reads it (dK_end, ddecay, dW) after, from the dstate of every chunk kept in a
+    buffer (with packed documents also the initial states' gradients, dinits)."""
 
     def __init__(self, Aqk, W, q_decayed, k_to_end, chunk_decay, start_states, new_values,
                  starts, do, dout_states, inits_shape):
@@ -748,38 +750,51 @@ class _CarryBackward:
         else:
             self.dstate = torch.zeros_like(dout_states[:, :, 0]).flatten(0, 1)
             self.dout_views = _per_chunk(dout_states)
-        # Each chunk's [B * H, ...] views of what the loop reads, made once (see _CarryForward).
-        self.state_views = start_states.flatten(1, 2).unbind(0)
-        self.saved_views = list(zip(*(_per_chunk(x) for x in (new_values, do, Aqk, k_to_end,
-                                                              chunk_decay, q_decayed, W))))
+        # [NC, B * H, ...] contiguous: views of the chunk-major tensors, a copy of do (token-major
+        # like o) and of the exact form's inputs. start_states is [NC, B, H, K, V] already.
+        self.saved = [_chunk_rows(x).contiguous() for x in (new_values, do, Aqk, k_to_end,
+                                                            chunk_decay, q_decayed, W)]
+        self.saved.append(start_states.flatten(1, 2))
 
     def run(self, chunks: range, grads):
-        starts, dstate = self.starts, self.dstate
-        local = list(zip(*(_per_chunk(x) for x in grads)))  # this range's gradient buffers
-        with _threads_for(dstate):
-            for c, (dAqk, dU, dW, dq_c, dk_end, ddecay) in zip(reversed(chunks), reversed(local)):
+        """grads: the range's gradient buffers, chunk-major."""
+        starts, block = self.starts, slice(chunks.start, chunks.stop)
+        vn, do, Aqk, k_end, decay, q, W, S = (x[block] for x in self.saved)
+        dAqk, dU, dW, dq, dk_end, ddecay = (_chunk_rows(x) for x in grads)
+        torch.bmm(_flat(do), _flat(vn).mT, out=_flat(dAqk))
+        torch.bmm(_flat(do), _flat(S).mT, out=_flat(dq))
+        torch.bmm(_flat(Aqk).mT, _flat(do), out=_flat(dU))  # dVn, before the carried part
+        # dstates[i + 1]: the gradient of the state after the range's chunk i; dstates[i]
+        # starts as (Q exp(G))_i^T dO_i and becomes the gradient of the state entering it.
+        dstates = self.dstate.new_empty(len(chunks) + 1, *self.dstate.shape)
+        torch.bmm(_flat(q).mT, _flat(do), out=_flat(dstates[:-1]))
+        dstates[-1] = self.dstate
+        with _threads_for(self.dstate):
+            for i, c in reversed(list(enumerate(chunks))):
+                dstate, carried = dstates[i + 1], dstates[i]
                 if starts is not None:
                     dstate += self.dout_views[c]
-                S = self.state_views[c]
-                vn, do_c, Aqk_c, k_end_c, decay_c, q_c, W_c = self.saved_views[c]
-                torch.bmm(do_c, vn.mT, out=dAqk)
-                torch.bmm(do_c, S.mT, out=dq_c)
-                torch.bmm(vn, dstate.mT, out=dk_end)
-                torch.sum(dstate * S, -1, keepdim=True, out=ddecay.mT)
-                dvn = torch.bmm(Aqk_c.mT, do_c, out=dU)
-                _accumulate_bmm(dvn, k_end_c, dstate)
-                torch.bmm(dvn, S.mT, out=dW).neg_()
-                _accumulate_bmm(dstate.mul_(decay_c.mT), q_c.mT, do_c)
-                _accumulate_bmm(dstate, W_c.mT, dvn, alpha=-1)
+                dvn = _accumulate_bmm(dU[i], k_end[i], dstate)
+                carried.addcmul_(dstate, decay[i].mT)
+                _accumulate_bmm(carried, W[i].mT, dvn, alpha=-1)
                 if starts is not None:  # a loaded initial state cuts the carried one off
                     if self.dinits is not None:
-                        self.dinits[c] = torch.where(starts[c], dstate, 0.0).view_as(
+                        self.dinits[c] = torch.where(starts[c], carried, 0.0).view_as(
                             self.dinits[c])
-                    dstate = torch.where(starts[c], 0.0, dstate)
-        self.dstate = dstate
+                    carried.masked_fill_(starts[c], 0.0)
+        after = _flat(dstates[1:])
+        torch.bmm(_flat(vn), after.mT, out=_flat(dk_end))
+        torch.sum(after * _flat(S), -1, keepdim=True, out=_flat(ddecay).mT)
+        torch.bmm(_flat(dU), _flat(S).mT, out=_flat(dW)).neg_()
+        self.dstate = dstates[0]
 
     def initial_state_grad(self):
         return self.dstate.view_as(self.start_states[0])
+
+
+def _flat(x):
+    """[n, B * H, ...] -> [n * B * H, ...]: one batch of a range's chunks."""
+    return x.flatten(0, 1)
 
 
 def _accumulate_bmm(out, a, b, alpha=1):
@@ -788,10 +803,20 @@ def _accumulate_bmm(out, a, b, alpha=1):
     return torch.baddbmm(out, a, b, alpha=alpha, out=out)
 
 
+def _chunk_rows(x):
+    """x [B, H, n, ...] -> [n, B * H, ...] (a view; contiguous for chunk-major x)."""
+    return x.permute(2, 0, 1, *range(3, x.dim())).flatten(1, 2)
+
+
 def _per_chunk(x):
-    """The chunks of x [B, H, n, ...] as n tensors [B * H, ...]: views for chunk-major x (one
-    copy of the whole tensor otherwise, never one per chunk)."""
-    return x.permute(2, 0, 1, *range(3, x.dim())).flatten(1, 2).unbind(0)
+    """The chunks of x [B, H, n, ...] as n views [B * H, ...] (contiguous for chunk-major x)."""
+    return _chunk_rows(x).unbind(0)
+
+
+def _chunk_batch(x):
+    """x [B, H, n, ...] -> [n * B * H, ...], one batch for a matmul over all its chunks (a view
+    for chunk-major x, else one copy)."""
+    return _chunk_rows(x).flatten(0, 1)
 
 
 def _threads_for(work: torch.Tensor):
