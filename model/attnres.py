@@ -12,7 +12,81 @@ import torch
 from torch import nn
 
 from .dtypes import upcast
-from .norms import rms_norm
+from .norms import rms_norm_reference
+from .ops.fused import fusable
+
+
+def depth_mix_reference(sources: list[torch.Tensor], query: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The depth mix in plain torch ops (autograd keeps the stacked values and the keys):
+    `depth_mix`'s reference."""
+    values = torch.stack([upcast(s) for s in sources])  # [n, ..., d]
+    keys = rms_norm_reference(values, norm_weight, eps)
+    weights = torch.softmax(keys @ query.to(keys.dtype), dim=0)  # [n, ...]
+    mixed = (weights.unsqueeze(-1) * values).sum(0)
+    return mixed.to(sources[-1].dtype)
+
+
+class _DepthMix(torch.autograd.Function):
+    """Saves the sources themselves (the blocks stay alive for later mixes anyway), the weights
+    and each source row's 1 / rms, and stacks the values again in backward: the plain form keeps
+    the stacked values and the normalised keys, two fp32 tensors [n, ..., d] per mix."""
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, eps, *sources):
+        values = torch.stack([upcast(s) for s in sources])
+        mixed, weights, rstd = _depth_mix_forward(values, query, norm_weight, eps)
+        ctx.save_for_backward(query, norm_weight, weights, rstd, *sources)
+        return mixed.to(sources[-1].dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, norm_weight, weights, rstd, *sources = ctx.saved_tensors
+        values = torch.stack([upcast(s) for s in sources])
+        dvalues, dquery, dweight = _depth_mix_backward(values, query, norm_weight, weights, rstd,
+                                                       grad)
+        return (dquery.to(query.dtype), dweight.to(norm_weight.dtype), None,
+                *(d.to(s.dtype) for d, s in zip(dvalues.unbind(0), sources)))
+
+
+@fusable
+def _depth_mix_forward(values, query, norm_weight, eps: float):
+    """(mixed, weights, 1 / rms per source row): the reference's ops in its order (unfused, the
+    mix is bitwise the same)."""
+    rstd = torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    keys = values * rstd * norm_weight.to(values.dtype)
+    weights = torch.softmax(keys @ query.to(values.dtype), dim=0)
+    mixed = (weights.unsqueeze(-1) * values).sum(0)
+    return mixed, weights, rstd
+
+
+@fusable
+def _depth_mix_backward(values, query, norm_weight, weights, rstd, grad):
+    """Gradients of the stacked values, the query and the norm weight. The logits are
+    x_hat . u with x_hat = values / rms and u = norm_weight * query, so the norm's backward
+    needs no keys: mean(dx_hat x_hat) = dlogits (x_hat . u) / d for dx_hat = dlogits u."""
+    grad = grad.to(values.dtype)
+    u = norm_weight.to(values.dtype) * query.to(values.dtype)
+    dweights = (values * grad).sum(-1)  # [n, ...]
+    dlogits = weights * (dweights - (weights * dweights).sum(0, keepdim=True))
+    x_hat = values * rstd
+    logits = (x_hat * u).sum(-1, keepdim=True)
+    dlogits = dlogits.unsqueeze(-1)
+    dvalues = weights.unsqueeze(-1) * grad + rstd * dlogits * (
+        u - x_hat * (logits / values.shape[-1]))
+    # du = sum over sources and rows of dlogits x_hat, as a matmul over the token rows: BLAS's
+    # blocked sums keep the cancellation in it to the reference's accuracy, a compiled
+    # reduction's running sum did not (2x its error).
+    du = ((rstd * dlogits).mT @ values).sum(tuple(range(values.dim() - 1)))
+    return dvalues, du * norm_weight.to(du.dtype), du * query.to(du.dtype)
+
+
+def depth_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """softmax over the sources of (RMSNorm(source) . query), mixing the raw sources, in fp32
+    (float64 for float64 sources); saves what `_DepthMix` says (`depth_mix_reference` is the
+    plain form)."""
+    return _DepthMix.apply(query, norm_weight, eps, *sources)
 
 
 class DepthMix(nn.Module):
@@ -27,11 +101,7 @@ class DepthMix(nn.Module):
         nn.init.ones_(self.norm_weight)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        values = torch.stack([upcast(s) for s in sources])  # [n, ..., d]
-        keys = rms_norm(values, self.norm_weight, self.eps)
-        weights = torch.softmax(keys @ self.query.to(keys.dtype), dim=0)  # [n, ...]
-        mixed = (weights.unsqueeze(-1) * values).sum(0)
-        return mixed.to(sources[-1].dtype)
+        return depth_mix(sources, self.query, self.norm_weight, self.eps)
 
 
 class BlockState:

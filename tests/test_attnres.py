@@ -1,12 +1,18 @@
-"""Block Attention Residuals: uniform mixing at init, and the block schedule (SPEC 4) against a
-naive version that rebuilds every block from an explicit list of sublayer outputs."""
+"""Block Attention Residuals: uniform mixing at init, the depth mix's autograd function against
+its plain reference (forward, gradients of every source, the query and the norm weight; dtypes;
+what it saves), and the block schedule (SPEC 4) against a naive version that rebuilds every
+block from an explicit list of sublayer outputs."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.attnres import BlockState, DepthMix
+from model.attnres import BlockState, DepthMix, depth_mix, depth_mix_reference
 from tests.tolerances import assert_close_rms
+from train.saved_activations import SavedBytes
+
+EPS = 1e-5
 
 
 @settings(max_examples=25, deadline=None)
@@ -33,6 +39,65 @@ def test_mix_is_softmax_over_normalised_keys():
     weights = torch.softmax(logits, 0)
     expected = sum(w[:, None] * s for w, s in zip(weights, sources))
     assert_close_rms(expected, mix(sources), 1e-6, "depth mix")
+
+
+def _mix_inputs(num_sources, dtype):
+    """Sources [2, 40, 64] from 1e-3 to 1e2 in scale (eps matters for the smallest rows), a
+    query large enough that the weights are far from uniform, a norm weight around 1."""
+    gen = torch.Generator().manual_seed(num_sources)
+    scale = torch.logspace(-3, 2, 40, dtype=torch.float64)[:, None]
+    sources = [torch.randn(2, 40, 64, dtype=torch.float64, generator=gen) * scale * (i + 1)
+               for i in range(num_sources)]
+    query = torch.randn(64, dtype=torch.float64, generator=gen)
+    weight = torch.rand(64, dtype=torch.float64, generator=gen) + 0.5
+    grad_out = torch.randn(2, 40, 64, dtype=torch.float64, generator=gen)
+    return [s.to(dtype) for s in sources], query, weight, grad_out.to(dtype)
+
+
+def _mix_and_grads(fn, sources, query, weight, grad_out, param_dtype):
+    leaves = [x.detach().clone().requires_grad_() for x in sources]
+    query, weight = (p.detach().to(param_dtype).requires_grad_() for p in (query, weight))
+    out = fn(leaves, query, weight, EPS)
+    out.backward(grad_out)
+    return [out, query.grad, weight.grad, *(x.grad for x in leaves)]
+
+
+@pytest.mark.parametrize("num_sources", [1, 2, 9])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
+def test_depth_mix_matches_reference(num_sources, dtype, tol):
+    inputs = _mix_inputs(num_sources, dtype)
+    fast = _mix_and_grads(depth_mix, *inputs, dtype)
+    reference = _mix_and_grads(depth_mix_reference, *inputs, dtype)
+    assert torch.equal(fast[0], reference[0])  # the same ops in the same order
+    names = ["output", "query grad", "norm weight grad",
+             *(f"source {i} grad" for i in range(num_sources))]
+    for name, ref, got in zip(names, reference, fast):
+        assert got.dtype == ref.dtype == dtype, name
+        assert_close_rms(ref, got, tol, f"{dtype}: {name}")
+
+
+def test_depth_mix_of_bf16_sources_computes_in_fp32():
+    """bf16 sources, fp32 parameters: the fp32 mix of the same values, rounded once."""
+    sources, query, weight, grad_out = _mix_inputs(9, torch.bfloat16)
+    fast = _mix_and_grads(depth_mix, sources, query, weight, grad_out, torch.float32)
+    in_fp32 = _mix_and_grads(depth_mix, [s.float() for s in sources], query, weight,
+                             grad_out.float(), torch.float32)
+    for i, (fp32, got) in enumerate(zip(in_fp32, fast)):
+        assert torch.equal(got, fp32.to(got.dtype)), i
+    assert fast[0].dtype == fast[3].dtype == torch.bfloat16 and fast[1].dtype == torch.float32
+
+
+def test_depth_mix_saves_the_sources_and_two_values_per_row():
+    sources, query, weight, _ = _mix_inputs(3, torch.float32)
+    sources = [s.requires_grad_() for s in sources]
+    params = [query.float().requires_grad_(), weight.float().requires_grad_()]
+    with SavedBytes([*params, *sources]) as saved:  # the sources are alive anyway
+        depth_mix(sources, *params, EPS)
+    with SavedBytes([*params, *sources]) as saved_by_reference:
+        depth_mix_reference(sources, *params, EPS)
+    rows = 3 * 2 * 40
+    assert saved.bytes == 2 * rows * 4  # the weights and 1 / rms, fp32
+    assert saved_by_reference.bytes >= 2 * rows * 64 * 4  # the stacked values and the keys
 
 
 def _naive_sources(embedding, outputs, layer, block_size, stage):

@@ -65,13 +65,16 @@ def saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layer
     """(embedding + layers + head, largest layer) bytes kept for backward after the forward of
     one micro-batch through `num_layers` layers, counted by tracing the real modules on the meta
     device (train/saved_activations.py: bf16, with the fp32 tensors the model keeps). With
-    activation checkpointing the layers count what they hold for recomputation."""
+    activation checkpointing the layers count what they hold for recomputation; without it, a
+    pipeline stage's (num_layers below the model's) count the AttnRes blocks it receives too."""
     per_layer = traced_layer_bytes(cfg, micro_batch, seq_len)
     embedding, head = traced_head_bytes(cfg, micro_batch, seq_len)
     if checkpointing:
         layers = checkpointed_inputs_bytes(cfg, micro_batch, seq_len, num_layers)
     else:
         layers = sum(sorted(per_layer)[-num_layers:])
+        if num_layers < cfg.num_layers:  # a later stage's mixes keep the blocks it receives
+            layers += cfg.num_attnres_blocks * micro_batch * seq_len * cfg.hidden_size * 2
     return embedding + layers + head, max(per_layer)
 
 

@@ -112,7 +112,11 @@ def traced_layer_bytes(cfg: K3Config, micro_batch: int, seq_len: int,
                 layer = DecoderLayer(cfg, index).to(dtype)
                 sources = [torch.empty(hidden, dtype=dtype) for _ in range(blocks + 1)]
             segments = torch.zeros(hidden[:2], dtype=torch.long, device="meta")
-            with SavedBytes(_model_tensors(layer)) as saved:
+            # The depth mixes keep their sources; a completed block is one storage that every
+            # later mix keeps, counted once: here in the layer that first sees it (a block's
+            # first layer, for the block completed just before it; layer 0 for the embedding).
+            earlier_blocks = sources[:blocks if with_partial else blocks - 1]
+            with SavedBytes([*_model_tensors(layer), *earlier_blocks]) as saved:
                 layer(sources[:blocks], sources[-1] if with_partial else None, batch.cu_seqlens,
                       segments, token_mask)
             traced[signature] = saved.bytes
@@ -133,7 +137,7 @@ def traced_head_bytes(cfg: K3Config, micro_batch: int, seq_len: int,
                    for _ in range(cfg.num_attnres_blocks + 1)]
     with SavedBytes(_model_tensors(embed)) as embedding:
         embed(batch.tokens)
-    with SavedBytes(_model_tensors(head)) as loss:
+    with SavedBytes([*_model_tensors(head), *sources[:-1]]) as loss:  # blocks: in the layers
         head(sources, batch.labels)
     return embedding.bytes, loss.bytes
 
