@@ -1,10 +1,11 @@
 """The fused elementwise autograd functions against their plain references at the demo's
-sizes (one micro-batch of 4 x 512 tokens, k3_tiny widths, fp32): forward + backward time in the
-thread's CPU time (one thread; less sensitive to other processes on the machine than wall
-time) and the bytes saved for backward besides the inputs, measured side by side in one run.
-The "compiled" column is the same function with its kernels compiled (`fused_kernels=true`,
-model/ops/fused.py; compiled before the timed runs), which also times the bounded-gate KDA
-chunk form at the demo's layer shape.
+sizes (one micro-batch of 4 x 512 tokens, k3_tiny widths, fp32; a depth mix of three sources,
+as in k3_tiny's second block): forward + backward time in the thread's CPU time (one thread;
+less sensitive to other processes on the machine than wall time) and the bytes saved for
+backward besides the inputs, measured side by side in one run. The "compiled" column is the
+same function with its kernels compiled (`fused_kernels=true`, model/ops/fused.py; compiled
+before the timed runs), which also times the bounded-gate KDA chunk form at the demo's layer
+shape.
 
     python -m benchmarks.fused_ops [--repeats 50]
 """
@@ -18,6 +19,7 @@ import time
 import torch
 
 from model.activations import situ_glu, situ_glu_reference
+from model.attnres import depth_mix, depth_mix_reference
 from model.norms import rms_norm, rms_norm_reference
 from model.ops import fused as fused_kernels
 from model.ops.kda import kda_chunk
@@ -39,6 +41,11 @@ def _cases() -> dict:
         "short conv + silu [4, 512, 64], K 4": (
             (torch.randn(ROWS, SEQ, 64), torch.randn(64, 4)), (segments.expand(ROWS, SEQ),),
             doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference),
+        "depth mix, 3 sources [4, 512, 64]": (
+            (*(torch.randn(ROWS, SEQ, 64) * s for s in (1, 3, 10)), torch.randn(64),
+             torch.rand(64) + 0.5), (),
+            lambda *x: depth_mix(x[:3], *x[3:], 1e-5),
+            lambda *x: depth_mix_reference(x[:3], *x[3:], 1e-5)),
         "kda_chunk [2048 tokens, 2 x 32], C 32": (
             _kda_inputs(), (), _kda_layer_call, None),
     }
