@@ -1,6 +1,7 @@
 """Distributed Per-Head Muon: the MatrixExchange for DTensor parameters (FSDP2, HSDP, TP).
 
-Newton-Schulz needs whole matrices. For every parameter of a step:
+Newton-Schulz needs whole matrices. For every parameter of a step (parameters of one shape,
+dtype and layout stacked, so that each such group costs one collective per step and direction):
 1. gather: the update is all-gathered along the mesh dimensions that cut matrices (FSDP's
    shard dimension, a column- or row-parallel dimension). A head-parallel dimension of a
    per-head group is kept: its shards are whole heads, orthogonalised where they are.
@@ -49,27 +50,57 @@ class DTensorExchange:
         return gather, cut
 
     def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
-        plans = []
-        for job in jobs:  # 1. gather
-            if not isinstance(job.param, DTensor):
-                plans.append((job, job.update, None, None))
+        plans = [None] * len(jobs)
+        # 1. gather: jobs of one shape and layout are stacked, so that each such group costs
+        # one collective, not one per parameter.
+        for members in self._groups(jobs).values():
+            updates = [jobs[i].update for i in members]
+            if not isinstance(updates[0], DTensor):
+                for i in members:
+                    plans[i] = (jobs[i], jobs[i].update, None, None)
                 continue
-            gather, cut = self._layout(job)
-            block = job.update.redistribute(job.param.device_mesh, gather).to_local()
-            plans.append((job, block, gather, cut))
+            gather, cut = self._layout(jobs[members[0]])
+            blocks = _stacked(updates).redistribute(updates[0].device_mesh,
+                                                    _shifted(gather)).to_local()
+            for i, block in zip(members, blocks.unbind(0)):
+                plans[i] = (jobs[i], block, gather, cut)
         mine = self._owned(plans)
-        out = []
-        for (job, block, gather, cut), owned in zip(plans, mine):  # 2. orthogonalise, 3. scatter
+        out = [None] * len(jobs)
+        for members in self._groups(jobs).values():  # 2. orthogonalise, 3. scatter
+            job, _, gather, cut = plans[members[0]]
             if gather is None:
-                out.append(ortho(block, job))
+                for i in members:
+                    out[i] = ortho(plans[i][1], plans[i][0])
                 continue
-            result = ortho(block, job) if owned else torch.zeros_like(block)
-            mesh = job.param.device_mesh
+            results = torch.stack([ortho(plans[i][1], plans[i][0]) if mine[i]
+                                   else torch.zeros_like(plans[i][1], dtype=job.param.dtype)
+                                   for i in members])
+            mesh, param = job.param.device_mesh, job.param
             partial = [Partial() if i in cut else pl for i, pl in enumerate(gather)]
-            dt = DTensor.from_local(result, mesh, partial, shape=job.param.shape,
-                                    stride=job.param.stride())
-            out.append(dt.redistribute(mesh, job.param.placements))
+            shape = (len(members), *param.shape)
+            stacked = DTensor.from_local(results, mesh, _shifted(partial), shape=shape,
+                                         stride=_contiguous_strides(shape))
+            local = stacked.redistribute(mesh, _shifted(param.placements)).to_local()
+            for i, part in zip(members, local.unbind(0)):
+                out[i] = DTensor.from_local(part, mesh, param.placements, shape=param.shape,
+                                            stride=param.stride())
         return out
+
+    def _groups(self, jobs: list[MatrixJob]) -> dict[tuple, list[int]]:
+        """Job indices by what their collectives depend on: mesh, logical shape, dtype, the
+        update's and the parameter's placements and what is gathered (a head-parallel
+        dimension stays sharded for per-head groups only)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, job in enumerate(jobs):
+            u = job.update
+            if isinstance(u, DTensor):
+                gather, cut = self._layout(job)
+                key = (u.device_mesh, tuple(u.placements), tuple(job.param.placements),
+                       tuple(u.shape), u.dtype, tuple(gather), tuple(cut))
+            else:
+                key = ("local", i)
+            groups.setdefault(key, []).append(i)
+        return groups
 
     @staticmethod
     def _owned(plans) -> list[bool]:
@@ -91,3 +122,33 @@ class DTensorExchange:
                 me = me * size + mesh.get_local_rank(d)
             owned[i] = owner == me
         return owned
+
+
+def _shifted(placements):
+    """Placements of a tensor stacked on a new leading dimension: shards move one dim up."""
+    out = []
+    for pl in placements:
+        if type(pl) is _StridedShard:
+            out.append(_StridedShard(pl.dim + 1, split_factor=pl.split_factor))
+        elif type(pl) is Shard:
+            out.append(Shard(pl.dim + 1))
+        else:
+            out.append(pl)
+    return out
+
+
+def _stacked(updates: list[DTensor]) -> DTensor:
+    """Updates of one shape and layout as one DTensor [n, ...] (their local parts stacked)."""
+    first = updates[0]
+    local = torch.stack([u.to_local() for u in updates])
+    shape = (len(updates), *first.shape)
+    return DTensor.from_local(local, first.device_mesh, _shifted(first.placements), shape=shape,
+                              stride=_contiguous_strides(shape))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
