@@ -26,6 +26,7 @@ from parallel.moonep.transport import (
     SymmMemTransport,
     symm_mem_unavailable,
 )
+from parallel.strides import contiguous_strides
 
 DISPATCHES = ("moonep", "dynamic")
 TRANSPORTS = {"collective": CollectiveTransport, "symm_mem": SymmMemTransport}
@@ -160,7 +161,7 @@ class ExpertShardedState:
             home = t.shape  # this rank's home experts (FSDP2: all of them, as a DTensor)
             logical = (home[0] * self.ep, *home[1:])
             return DTensor.from_local(_local(t), self.mesh, self.placements, run_check=False,
-                                      shape=logical, stride=_contiguous_strides(logical))
+                                      shape=logical, stride=contiguous_strides(logical))
 
         return self._map(model_sd, optim_sd, to_dtensor)
 
@@ -170,18 +171,10 @@ class ExpertShardedState:
                 home = (t.shape[0] // self.ep, *t.shape[1:])
                 return DTensor.from_local(t.to_local(), self.fsdp_mesh, [Shard(0)],
                                           run_check=False,
-                                          shape=home, stride=_contiguous_strides(home))
+                                          shape=home, stride=contiguous_strides(home))
 
             return self._map(model_sd, optim_sd, to_fsdp)
         return self._map(model_sd, optim_sd, lambda t: t.to_local())
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, stride = [], 1
-    for size in reversed(shape):
-        strides.append(stride)
-        stride *= size
-    return tuple(reversed(strides))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

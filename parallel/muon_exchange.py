@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from parallel.strides import contiguous_strides
 from train.optim.muon import MatrixJob, Orthogonalize
 
 
@@ -79,7 +80,7 @@ class DTensorExchange:
             partial = [Partial() if i in cut else pl for i, pl in enumerate(gather)]
             shape = (len(members), *param.shape)
             stacked = DTensor.from_local(results, mesh, _shifted(partial), shape=shape,
-                                         stride=_contiguous_strides(shape))
+                                         stride=contiguous_strides(shape))
             local = stacked.redistribute(mesh, _shifted(param.placements)).to_local()
             for i, part in zip(members, local.unbind(0)):
                 out[i] = DTensor.from_local(part, mesh, param.placements, shape=param.shape,
@@ -143,12 +144,4 @@ def _stacked(updates: list[DTensor]) -> DTensor:
     local = torch.stack([u.to_local() for u in updates])
     shape = (len(updates), *first.shape)
     return DTensor.from_local(local, first.device_mesh, _shifted(first.placements), shape=shape,
-                              stride=_contiguous_strides(shape))
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
+                              stride=contiguous_strides(shape))
