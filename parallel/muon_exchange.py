@@ -51,32 +51,32 @@ class DTensorExchange:
         return gather, cut
 
     def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
+        groups = self._groups(jobs)
         plans = [None] * len(jobs)
         # 1. gather: jobs of one shape and layout are stacked, so that each such group costs
         # one collective, not one per parameter.
-        for members in self._groups(jobs).values():
-            updates = [jobs[i].update for i in members]
-            if not isinstance(updates[0], DTensor):
+        for members, gather, cut in groups:
+            if gather is None:
                 for i in members:
                     plans[i] = (jobs[i], jobs[i].update, None, None)
                 continue
-            gather, cut = self._layout(jobs[members[0]])
+            updates = [jobs[i].update for i in members]
             blocks = _stacked(updates).redistribute(updates[0].device_mesh,
                                                     _shifted(gather)).to_local()
             for i, block in zip(members, blocks.unbind(0)):
                 plans[i] = (jobs[i], block, gather, cut)
         mine = self._owned(plans)
         out = [None] * len(jobs)
-        for members in self._groups(jobs).values():  # 2. orthogonalise, 3. scatter
-            job, _, gather, cut = plans[members[0]]
+        for members, gather, cut in groups:  # 2. orthogonalise, 3. scatter
             if gather is None:
                 for i in members:
-                    out[i] = ortho(plans[i][1], plans[i][0])
+                    out[i] = ortho(plans[i][1], jobs[i])
                 continue
-            results = torch.stack([ortho(plans[i][1], plans[i][0]) if mine[i]
-                                   else torch.zeros_like(plans[i][1], dtype=job.param.dtype)
+            param = jobs[members[0]].param
+            results = torch.stack([ortho(plans[i][1], jobs[i]) if mine[i]
+                                   else torch.zeros_like(plans[i][1], dtype=param.dtype)
                                    for i in members])
-            mesh, param = job.param.device_mesh, job.param
+            mesh = param.device_mesh
             partial = [Partial() if i in cut else pl for i, pl in enumerate(gather)]
             shape = (len(members), *param.shape)
             stacked = DTensor.from_local(results, mesh, _shifted(partial), shape=shape,
@@ -87,21 +87,23 @@ class DTensorExchange:
                                             stride=param.stride())
         return out
 
-    def _groups(self, jobs: list[MatrixJob]) -> dict[tuple, list[int]]:
-        """Job indices by what their collectives depend on: mesh, logical shape, dtype, the
-        update's and the parameter's placements and what is gathered (a head-parallel
-        dimension stays sharded for per-head groups only)."""
-        groups: dict[tuple, list[int]] = {}
+    def _groups(self, jobs: list[MatrixJob]) -> list[tuple[list[int], list | None, list]]:
+        """(job indices, placements to gather to, mesh dims gathered over) per group of jobs
+        whose collectives can be one: same mesh, logical shape, dtype, placements of update
+        and parameter, and what is gathered (a head-parallel dimension stays sharded for
+        per-head groups only). A parameter that is not a DTensor is a group of its own
+        (gather None)."""
+        groups: dict[tuple, tuple[list[int], list | None, list]] = {}
         for i, job in enumerate(jobs):
+            if not isinstance(job.param, DTensor):
+                groups[("local", i)] = ([i], None, [])
+                continue
+            gather, cut = self._layout(job)
             u = job.update
-            if isinstance(u, DTensor):
-                gather, cut = self._layout(job)
-                key = (u.device_mesh, tuple(u.placements), tuple(job.param.placements),
-                       tuple(u.shape), u.dtype, tuple(gather), tuple(cut))
-            else:
-                key = ("local", i)
-            groups.setdefault(key, []).append(i)
-        return groups
+            key = (u.device_mesh, tuple(u.placements), tuple(job.param.placements),
+                   tuple(u.shape), u.dtype, tuple(gather), tuple(cut))
+            groups.setdefault(key, ([], gather, cut))[0].append(i)
+        return list(groups.values())
 
     @staticmethod
     def _owned(plans) -> list[bool]:
