@@ -52,6 +52,7 @@ from .expert_parallel import (
     clip_grad_norm_expert_parallel,
     mark_expert_parameters,
 )
+from .grad_norm import squared_grad_norm
 from .muon_exchange import DTensorExchange
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
 
@@ -167,26 +168,17 @@ class ParallelPlan:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over parameters that live on different meshes (dense
-        DTensors on dp x tp, 1-D dp shards, plain tensors): squared norms summed per tensor.
-        Under expert parallelism the norm covers every rank's home experts; under pipeline
-        parallelism every stage's parameters."""
+        DTensors on dp x tp, 1-D dp shards, plain tensors), one all-reduce per mesh group
+        (parallel.grad_norm). Under expert parallelism the norm covers every rank's home
+        experts; under pipeline parallelism every stage's parameters."""
         if self.expert_parallel:
             return clip_grad_norm_expert_parallel(self.model, max_norm, self._group("ep"))
-        norms = []
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            norm = torch.linalg.vector_norm(p.grad)
-            # full_tensor()'s all-reduce is waited on at the result's first use: squaring here
-            # would wait on each in turn (a round trip per parameter); the stack below waits
-            # once, with every reduction already queued.
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = self.sum_over_stages(torch.stack(norms).pow(2).sum()).sqrt()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = self.sum_over_stages(squared_grad_norm([p.grad for p in params])).sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
         return total
 
     def after_optimizer_step(self) -> None:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from model.k3 import K3Model
 from parallel.data_parallel import allreduce_gradients
+from parallel.grad_norm import squared_grad_norm
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.dynamic import DynamicDispatcher
 from parallel.moonep.transport import (
@@ -87,30 +88,19 @@ def allreduce_expert_parallel_gradients(model: nn.Module, dp_group: dist.Process
 def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
                                    ep_group: dist.ProcessGroup) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole (logical) model when expert weights are
-    sharded over `ep_group`: dense gradients are the same on every rank (DTensors: their full
-    norm), each rank adds its home experts' squares, one all-reduce over the EP ranks gives the
-    global norm. Call after the gradient reductions; returns the total norm (a device tensor,
-    no host sync)."""
+    sharded over `ep_group`: dense gradients are the same on every EP rank, each rank adds its
+    home experts' squares (parallel.grad_norm), one all-reduce over the EP ranks gives the
+    global norm. Call after the gradient reductions; returns the total norm (a float64 device
+    tensor, no host sync)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    device = _local(params[0].grad).device
-
-    def squares(group: list[torch.Tensor]) -> torch.Tensor:
-        sums = [p.grad.double().square().sum() for p in group]
-        # Every DTensor's all-reduce is queued before the first sum below waits on one (adding
-        # each as it is issued waited on each in turn); the same additions in the same order.
-        sums = [x.full_tensor() if isinstance(x, DTensor) else x for x in sums]
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for square in sums:
-            total = total + square
-        return total
-
-    expert_sq = squares([p for p in params if is_expert_parameter(p)])
+    expert_sq = squared_grad_norm([p.grad for p in params if is_expert_parameter(p)])
     dist.all_reduce(expert_sq, group=ep_group)
-    total = (squares([p for p in params if not is_expert_parameter(p)]) + expert_sq).sqrt()
+    dense = [p.grad for p in params if not is_expert_parameter(p)]
+    total = (squared_grad_norm(dense) + expert_sq).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         p.grad.mul_(coef.to(_local(p.grad).dtype))
-    return total.float()
+    return total
 
 
 class ExpertShardedState:

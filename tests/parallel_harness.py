@@ -60,6 +60,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Record:
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # before clipping, every step
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # before the first step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
     muon: list[str] = field(default_factory=list)  # parameters Muon updates
@@ -105,6 +106,7 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
                             cfg.optim, on_gradients=keep_grads if tensors and step == 0 else None)
         assert result.finite
         record.losses.append(float(result.loss))
+        record.grad_norms.append(float(result.grad_norm))
     if save is not None:
         Checkpointer(save, keep_last=3, rank=rank, world_size=world).save(
             steps, model, optimizers, {"loader": {"optimizer_step": steps}})
@@ -128,12 +130,15 @@ def _worst(ref: dict, got: dict, names) -> tuple[float, str]:
 
 
 def compare(ref: Record, got: Record) -> dict[str, float | str]:
-    """Worst relative errors: losses of every step, gradients before the first step, Muon's and
-    AdamW's parameters after the last step (with the worst tensors' names)."""
+    """Worst relative errors: losses and gradient norms of every step, gradients before the
+    first step, Muon's and AdamW's parameters after the last step (with the worst tensors'
+    names)."""
     assert ref.grads.keys() == got.grads.keys() and ref.params.keys() == got.params.keys()
     out: dict[str, float | str] = {
-        "loss": max((abs(a - b) / abs(a) for a, b in zip(ref.losses, got.losses)),
-                    key=_nan_first)}
+        key: max((abs(a - b) / abs(a) for a, b in zip(getattr(ref, field_name),
+                                                      getattr(got, field_name), strict=True)),
+                 key=_nan_first)
+        for key, field_name in (("loss", "losses"), ("grad_norm", "grad_norms"))}
     adamw = [n for n in ref.params if n not in ref.muon]
     for key, (a, b, names) in {"grad": (ref.grads, got.grads, ref.grads),
                                "muon_param": (ref.params, got.params, ref.muon),

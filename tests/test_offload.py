@@ -102,7 +102,7 @@ def test_offload_under_data_parallelism_matches_one_process(tmp_path):
     for name, e in got.items():
         print(f"{name}: loss {e['loss']:.1e} grad {e['grad']:.1e} params {e['adamw_param']:.1e}")
         assert e["optimizers"] == ["DeepSpeedCPUAdam"], (name, e)
-        assert max(e["loss"], e["grad"], e["adamw_param"]) <= TOL, (name, e)
+        assert max(e["loss"], e["grad_norm"], e["grad"], e["adamw_param"]) <= TOL, (name, e)
     assert got["dp2"]["tensors_per_rank"] == [got["dp2"]["tensors"]] * 2
     zero = got["dp2_optimizer"]
     assert sum(zero["tensors_per_rank"]) == zero["tensors"] and min(zero["tensors_per_rank"]) > 0

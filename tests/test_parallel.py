@@ -2,8 +2,8 @@
 global batches with AdamW and with Muon (+QK-Clip on every head), compared as full tensors
 (relative RMS) with one process that takes each global batch whole.
 
-Within 1e-5 for every layout and both optimizers: the loss of every step, every gradient before
-the first step and every parameter after the third step.
+Within 1e-5 for every layout and both optimizers: the loss and gradient norm of every step,
+every gradient before the first step and every parameter after the third step.
 
 The runs are in float64 (`precision=fp64`: parameters, gradient reductions and the model's fp32
 islands all in float64). In fp32 two runs that only sum in a different order (one process taking
@@ -12,9 +12,10 @@ element by its own gradient magnitude, so an element whose gradient is near eps 
 near-cancelling (A_h) turns ~1e-7 round-off into an O(1%) change of its update, and the layouts
 under tensor parallelism (other partial sums) were 2e-3 apart. In float64 that round-off is
 ~1e-16 and the same comparisons measure 1e-13 or less, so 1e-5 measures the layout, not the
-order of sums. One fp32 comparison stays (TP2 x DP2 with sequence parallelism, AdamW: losses and
-first-step gradients against one process taking the ranks' shares as micro-batches) so the
-production dtype's reductions are covered too. Layouts share spawned gloo worlds."""
+order of sums. One fp32 comparison stays (TP2 x DP2 with sequence parallelism, AdamW: losses,
+first-step gradients and their norm against one process taking the ranks' shares as
+micro-batches) so the production dtype's reductions are covered too. Layouts share spawned
+gloo worlds."""
 
 from __future__ import annotations
 
@@ -69,7 +70,11 @@ def _layouts_world(rank: int, world: int, layouts: dict, refs_path: str) -> dict
     if name in layouts:
         got = _run_layout(layout(tiny_config(optim), **layouts[name]), world)
         e = compare(refs["fp32"], got)
-        errors[f"{name}/{optim}/fp32"] = {"loss": e["loss"], "grad": e["grad"]}
+        # The first step's norm only: fp32 AdamW runs drift apart from the first update on
+        # (the module docstring), and later norms measure that drift.
+        first = abs(got.grad_norms[0] - refs["fp32"].grad_norms[0]) / refs["fp32"].grad_norms[0]
+        errors[f"{name}/{optim}/fp32"] = {"loss": e["loss"], "grad_norm": first,
+                                          "grad": e["grad"]}
     return errors
 
 
@@ -82,8 +87,9 @@ def test_layouts_match_one_process(tmp_path, references, world, layouts):
     for name, e in sorted(errors.items()):  # shown with pytest -s
         params = "".join(f"  {what} params {e[f'{what}_param']:.1e} ({e[f'worst_{what}_param']})"
                          for what in ("muon", "adamw") if f"{what}_param" in e)
-        print(f"{name:<24} loss {e['loss']:.1e}  grad {e['grad']:.1e}{params}")
-    keys = ("loss", "grad", "muon_param", "adamw_param")
+        print(f"{name:<24} loss {e['loss']:.1e}  norm {e['grad_norm']:.1e}  grad {e['grad']:.1e}"
+              f"{params}")
+    keys = ("loss", "grad_norm", "grad", "muon_param", "adamw_param")
     bad = {k: v for k, v in errors.items()  # `not <=`: a NaN is beyond too
            if not all(v.get(key, 0.0) <= TOL for key in keys)}
     assert not bad, f"beyond {TOL}: {bad}\nall: {errors}"
