@@ -51,11 +51,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         wide = loss_dtype(hidden.dtype)
         lse = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         loss = torch.zeros((), dtype=wide, device=hidden.device)
+        logits_buffer = _logits_buffer(hidden, weight, chunk_tokens, wide)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            logits = F.linear(hidden[rows], weight).to(wide)
-            lse[rows] = torch.logsumexp(logits, dim=-1)
+            logits = _chunk_logits(hidden[rows], weight, logits_buffer)
             target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
+            _log_sum_exp_(logits, out=lse[rows])
             loss += torch.where(valid[rows], lse[rows] - target_logit, 0.0).sum()
         ctx.chunk_tokens = chunk_tokens
         ctx.save_for_backward(hidden, weight, targets, valid, lse)
@@ -69,21 +70,49 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         wide = lse.dtype
         grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
         scale = torch.where(valid, grad_loss, 0.0)  # [N] fp32 (or wider)
+        logits_buffer = _logits_buffer(hidden, weight, ctx.chunk_tokens, wide)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            grad_logits = F.linear(hidden[rows], weight).to(wide)
+            grad_logits = _chunk_logits(hidden[rows], weight, logits_buffer)
             grad_logits.sub_(lse[rows, None]).exp_()  # softmax
             grad_logits.scatter_add_(1, targets[rows, None],
                                      torch.full_like(lse[rows, None], -1.0))
             grad_logits.mul_(scale[rows, None])
             grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if need_weight:
                 grad_weight += (grad_logits.T @ hidden[rows]).to(wide)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
+
+
+def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """One [chunk, V] buffer that every chunk's logits are written into: a fresh buffer per
+    chunk is fresh memory on CPU (8 MiB for k3_tiny, page-faulted in each time; a step's writes
+    to it took 2-10x the matmul's own time), and logsumexp's temporaries were two more."""
+    return hidden.new_empty(min(chunk_tokens, hidden.shape[0]), weight.shape[0], dtype=dtype)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                  buffer: torch.Tensor) -> torch.Tensor:
+    """F.linear(hidden, weight) in the buffer's (loss) dtype, written into its first rows."""
+    logits = buffer[:hidden.shape[0]]
+    if hidden.dtype == buffer.dtype:
+        return torch.mm(hidden, weight.T, out=logits)
+    return logits.copy_(F.linear(hidden, weight))  # computed in the low precision, then widened
+
+
+def _log_sum_exp_(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(logits, -1) into `out`, overwriting logits with exp(logits - max): the
+    same ops in the same order as torch's (an infinite max is taken as 0), without its two
+    [chunk, V] temporaries."""
+    maxes = logits.amax(-1, keepdim=True)
+    maxes.masked_fill_(maxes.abs() == torch.inf, 0)
+    torch.sum(logits.sub_(maxes).exp_(), -1, out=out)
+    return out.log_().add_(maxes.squeeze(-1))
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,

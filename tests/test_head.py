@@ -6,7 +6,12 @@ import torch.nn.functional as F
 
 from model.batch import K3Batch, cu_seqlens_from_lengths
 from model.config import k3_tiny, replace
-from model.head import IGNORE_INDEX, chunked_linear_cross_entropy, full_logits_loss
+from model.head import (
+    IGNORE_INDEX,
+    _log_sum_exp_,
+    chunked_linear_cross_entropy,
+    full_logits_loss,
+)
 from model.k3 import K3Model
 from tests.tolerances import assert_close_rms
 
@@ -42,6 +47,40 @@ def test_chunked_loss_of_only_ignored_tokens_is_zero():
     assert loss.item() == 0.0
     assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
 
+
+
+def test_in_place_log_sum_exp_is_torch_logsumexp_bitwise():
+    """The chunked loss's in-place log-sum-exp (one logits buffer, no temporaries) gives
+    torch.logsumexp's bits, for rows with an infinite maximum and all -inf rows too."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g) * 7
+    logits[1, 5] = torch.inf
+    logits[2] = -torch.inf
+    logits[3, :4] = -torch.inf
+    for dtype in (torch.float32, torch.float64):
+        x = logits.to(dtype)
+        out = torch.empty(6, dtype=dtype)
+        _log_sum_exp_(x.clone(), out=out)
+        assert torch.equal(out, torch.logsumexp(x, -1)), dtype
+
+
+def test_chunked_loss_of_low_precision_inputs_widens_their_logits():
+    """bf16 hidden and weight (autocast's matmul dtype): the logits are computed in bf16 and
+    widened to fp32, as F.linear(...).float() is, and the gradients come back in bf16."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(50, 16, generator=g) * 0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50, (40,), generator=g)
+    ref = full_logits_loss(F.linear(hidden, weight), labels)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    loss = chunked_linear_cross_entropy(hidden, weight, labels, 16)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert loss.dtype == torch.float32
+    assert_close_rms(ref, loss, 1e-6, "loss")
+    for ref_grad, grad in zip(ref_grads, grads):
+        assert grad.dtype == torch.bfloat16
+        # bf16 rounding of a different summation order: 0 and 2.6e-3 measured.
+        assert_close_rms(ref_grad.float(), grad.float(), 1e-2, "bf16 gradient")
 
 def test_model_loss_and_gradients_chunked_equal_full_logits():
     """k3_tiny, packed documents and ignored labels: loss_chunk_tokens=24 against 0 (full)."""
