@@ -3,7 +3,7 @@ matmul probe and peak RSS of the whole process, for this checkout and, side by s
 run, for a baseline commit (checked out into a temporary git worktree).
 
     python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
-        [--fused] [--profile] [--phases]
+        [--fused] [--profile] [--phases] [--ops]
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
@@ -16,12 +16,14 @@ prints the torch profiler's top operators for one step of this checkout; `--phas
 checkout's `train_step` into the model's forwards, the optimizer step and the rest (backwards,
 clipping, balancers), on the same prefetched batches, with `--fused` for eager and compiled
 kernels alternated in that one process (the side-by-side figure: separate runs differ by up to
-20% on a shared machine).
+20% on a shared machine); `--ops` counts the operators one `train_step` dispatches, by caller
+(a figure that does not move with the machine's load).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -103,45 +105,13 @@ def matmul_peak(threads: int) -> float:
     return _matmul_probe(torch.device("cpu"), seconds=3.0, windows=10)
 
 
-def profile_one_step(threads: int) -> None:
-    """Top operators (self CPU time) of one training step of this checkout's demo config."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from model.k3 import K3Model
-    from train.data import build_loader
-
-    torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = _demo_config(f"{tmp}/data")
-        model = K3Model(cfg.model)
-        batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
-        accum = cfg.stage.global_batch_size // cfg.stage.micro_batch_size
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step() -> None:
-            for _ in range(accum):
-                model(next(batches)).loss_sum.backward()
-            opt.step()
-            opt.zero_grad()
-
-        step()  # warm-up
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-
-
-def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = False) -> None:
-    """The loop's own `train_step` on `steps` prefetched global batches, `passes` times over the
-    same batches: the fastest time of each step, of its micro-batches' forwards (model hooks)
-    and of its optimizer step (optimizer hooks); the remainder is the backwards, clipping, the
-    balancers' update and zeroing the gradients. `fused` alternates every pass between eager
-    and compiled kernels (fused_kernels; an untimed pass compiles them first)."""
-    import time
-
+@contextlib.contextmanager
+def _loop_on_prefetched_batches(threads: int, steps: int):
+    """The loop's model (layout, precision, optimizers) for the demo config, its data prepared in
+    a temporary directory, `steps` global batches read ahead, and `run(micro_batches)`: the
+    loop's own `train_step` on one of them."""
     import torch
 
-    from model.ops.fused import enable_fused_kernels
     from train.data import build_loader
     from train.loop import build_parallel_model, train_step
 
@@ -153,16 +123,91 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = Fal
         batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
         accum = cfg.stage.global_batch_size // cfg.stage.micro_batch_size
         global_batches = [[next(batches) for _ in range(accum)] for _ in range(steps)]
-        spans = {"forward": 0.0, "optimizer": 0.0}
-        began = {}
 
-        def opening(name):
-            return lambda *_: began.__setitem__(name, time.perf_counter())
+        def run(micro_batches) -> None:
+            train_step(model, optimizers, micro_batches, device, precision, parallel, cfg.optim)
 
-        def closing(name):
-            return lambda *_: spans.__setitem__(
-                name, spans[name] + time.perf_counter() - began[name])
+        yield model, optimizers, global_batches, run
 
+
+def profile_one_step(threads: int) -> None:
+    """Top operators (self CPU time) of one training step of this checkout's demo config."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _loop_on_prefetched_batches(threads, steps=2) as (_, _, global_batches, run):
+        run(global_batches[0])  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(global_batches[1])
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def _caller_in_repo() -> str:
+    """Where an operator was called from: the innermost frame in this repository's code
+    (file:function), or the autograd engine for a built-in backward formula."""
+    import torch
+
+    node = torch._C._current_autograd_node()
+    if node is not None and not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return "autograd engine (built-in backward formulas)"
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path.is_relative_to(REPO) and "site-packages" not in path.parts:
+            return f"{path.relative_to(REPO)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "outside the repository"
+
+
+def op_counts(threads: int, top: int = 12) -> None:
+    """The ATen operators (views included) that one `train_step` of the demo dispatches, by the
+    code that called them and by operator. Unlike its times the count does not move with the
+    machine's load; on CPU each operator costs a few microseconds of dispatch whatever its
+    size, which at k3_tiny's width is a real share of the step."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    by_caller, by_op = collections.Counter(), collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            by_caller[_caller_in_repo()] += 1
+            by_op[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _loop_on_prefetched_batches(threads, steps=2) as (_, _, global_batches, run):
+        run(global_batches[0])  # warm-up: lazily built state is not counted
+        with Count():
+            run(global_batches[1])
+    total = sum(by_op.values())
+    print(f"ATen operators dispatched by one train_step: {total}")
+    print(f"by caller (top {top}):")
+    for caller, n in by_caller.most_common(top):
+        print(f"  {n:7d} {n / total:6.1%}  {caller}")
+    print(f"by operator (top {top}): " + ", ".join(f"{op} {n}" for op, n in by_op.most_common(top)))
+
+
+def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = False) -> None:
+    """The loop's own `train_step` on `steps` prefetched global batches, `passes` times over the
+    same batches: the fastest time of each step, of its micro-batches' forwards (model hooks)
+    and of its optimizer step (optimizer hooks); the remainder is the backwards, clipping, the
+    balancers' update and zeroing the gradients. `fused` alternates every pass between eager
+    and compiled kernels (fused_kernels; an untimed pass compiles them first)."""
+    import time
+
+    from model.ops.fused import enable_fused_kernels
+
+    spans = {"forward": 0.0, "optimizer": 0.0}
+    began = {}
+
+    def opening(name):
+        return lambda *_: began.__setitem__(name, time.perf_counter())
+
+    def closing(name):
+        return lambda *_: spans.__setitem__(
+            name, spans[name] + time.perf_counter() - began[name])
+
+    with _loop_on_prefetched_batches(threads, steps) as (model, optimizers, global_batches, run):
         model.register_forward_pre_hook(opening("forward"))
         model.register_forward_hook(closing("forward"))
         for opt in optimizers:
@@ -172,8 +217,7 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = Fal
         if fused:
             enable_fused_kernels(True)
             for micro_batches in global_batches:  # compiles the kernels
-                train_step(model, optimizers, micro_batches, device, precision, parallel,
-                           cfg.optim)
+                run(micro_batches)
         best = {mode: [{"step": math.inf, "forward": math.inf, "optimizer": math.inf}
                        for _ in global_batches] for mode in modes}
         for _ in range(passes):
@@ -182,8 +226,7 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = Fal
                 for fastest, micro_batches in zip(best[mode], global_batches):
                     spans.update(forward=0.0, optimizer=0.0)
                     start = time.perf_counter()
-                    train_step(model, optimizers, micro_batches, device, precision, parallel,
-                               cfg.optim)
+                    run(micro_batches)
                     times = {"step": time.perf_counter() - start, **spans}
                     for key, value in times.items():
                         fastest[key] = min(fastest[key], value)
@@ -218,9 +261,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--phases", action="store_true",
                         help="only time the phases of this checkout's train_step")
+    parser.add_argument("--ops", action="store_true",
+                        help="only count the operators one train_step dispatches")
     args = parser.parse_args()
     if args.phases:
         phase_times(args.threads, fused=args.fused)
+        return
+    if args.ops:
+        op_counts(args.threads)
         return
     results = {}
     peaks = [matmul_peak(args.threads)]
