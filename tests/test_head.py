@@ -48,7 +48,6 @@ def test_chunked_loss_of_only_ignored_tokens_is_zero():
     assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
 
 
-
 def test_in_place_log_sum_exp_is_torch_logsumexp_bitwise():
     """The chunked loss's in-place log-sum-exp (one logits buffer, no temporaries) gives
     torch.logsumexp's bits, for rows with an infinite maximum and all -inf rows too."""
@@ -81,6 +80,7 @@ def test_chunked_loss_of_low_precision_inputs_widens_their_logits():
         assert grad.dtype == torch.bfloat16
         # bf16 rounding of a different summation order: 0 and 2.6e-3 measured.
         assert_close_rms(ref_grad.float(), grad.float(), 1e-2, "bf16 gradient")
+
 
 def test_model_loss_and_gradients_chunked_equal_full_logits():
     """k3_tiny, packed documents and ignored labels: loss_chunk_tokens=24 against 0 (full)."""
