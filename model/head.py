@@ -22,6 +22,7 @@ from torch import nn
 from .attnres import DepthMix
 from .config import K3Config
 from .norms import RMSNorm
+from .ops.fast_exp import exp_
 
 IGNORE_INDEX = -100
 
@@ -74,7 +75,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             grad_logits = _chunk_logits(hidden[rows], weight, logits_buffer)
-            grad_logits.sub_(lse[rows, None]).exp_()  # softmax
+            exp_(grad_logits.sub_(lse[rows, None]))  # softmax
             grad_logits.scatter_add_(1, targets[rows, None],
                                      torch.full_like(lse[rows, None], -1.0))
             grad_logits.mul_(scale[rows, None])
@@ -106,12 +107,12 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor,
 
 
 def _log_sum_exp_(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp(logits, -1) into `out`, overwriting logits with exp(logits - max): the
-    same ops in the same order as torch's (an infinite max is taken as 0), without its two
-    [chunk, V] temporaries."""
+    """torch.logsumexp(logits, -1) into `out`, overwriting logits with exp(logits - max): torch's
+    ops in its order (an infinite max is taken as 0), without its two [chunk, V] temporaries,
+    and with exp as exp2 (model/ops/fast_exp.py)."""
     maxes = logits.amax(-1, keepdim=True)
     maxes.masked_fill_(maxes.abs() == torch.inf, 0)
-    torch.sum(logits.sub_(maxes).exp_(), -1, out=out)
+    torch.sum(exp_(logits.sub_(maxes)), -1, out=out)
     return out.log_().add_(maxes.squeeze(-1))
 
 

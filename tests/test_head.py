@@ -48,11 +48,13 @@ def test_chunked_loss_of_only_ignored_tokens_is_zero():
     assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
 
 
-def test_in_place_log_sum_exp_is_torch_logsumexp_bitwise():
-    """The chunked loss's in-place log-sum-exp (one logits buffer, no temporaries) gives
-    torch.logsumexp's bits, for rows with an infinite maximum and all -inf rows too."""
+def test_in_place_log_sum_exp_matches_logsumexp():
+    """The chunked loss's in-place log-sum-exp (one logits buffer, no temporaries, exp as exp2)
+    against torch.logsumexp in float64: within one epsilon of the result in fp32 and float64
+    (torch.logsumexp's own fp32 error on these rows is 7.4e-7 of values about 20), and the same
+    infinities for rows with an infinite maximum and all -inf rows."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 300, generator=g) * 7
+    logits = torch.randn(6, 300, generator=g, dtype=torch.float64) * 7
     logits[1, 5] = torch.inf
     logits[2] = -torch.inf
     logits[3, :4] = -torch.inf
@@ -60,7 +62,11 @@ def test_in_place_log_sum_exp_is_torch_logsumexp_bitwise():
         x = logits.to(dtype)
         out = torch.empty(6, dtype=dtype)
         _log_sum_exp_(x.clone(), out=out)
-        assert torch.equal(out, torch.logsumexp(x, -1)), dtype
+        ref = torch.logsumexp(x.double(), -1)
+        finite = ref.isfinite()
+        assert finite.sum() == 4 and torch.equal(out[~finite].double(), ref[~finite]), dtype
+        error = (out[finite].double() - ref[finite]).abs()
+        assert torch.all(error <= torch.finfo(dtype).eps * ref[finite].abs()), (dtype, error)
 
 
 def test_chunked_loss_of_low_precision_inputs_widens_their_logits():

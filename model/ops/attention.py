@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from model.batch import segment_ids
 from model.dtypes import upcast
+from model.ops.fast_exp import exp_
 
 _BACKENDS = ("auto", "varlen", "sdpa", "segments", "blockwise", "reference")
 # Blockwise tile: BLOCK_Q query rows against BLOCK_K keys, a [B, H, BLOCK_Q, BLOCK_K] fp32 score
@@ -327,7 +328,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 # A row with no allowed key yet (non-causal: its segment lies elsewhere) keeps
                 # m = -inf; shifting by 0 there gives exp(-inf) = 0 instead of NaN.
                 shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
-                p = scores.sub_(shift.unsqueeze(-1)).exp_()  # in place: one tile buffer
+                p = exp_(scores.sub_(shift.unsqueeze(-1)))  # in place: one tile buffer
                 rescale = torch.exp(m - shift)
                 denom = denom * rescale + p.sum(dim=-1)
                 acc = acc * rescale.unsqueeze(-1) + p @ v[:, :, k_start:k_end]
@@ -361,7 +362,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 keys = slice(k_start, k_end)
                 scores = _masked_scores(q_tile, k, q_segments, k_segments, q_start, k_start,
                                         k_end, causal, q_offset)
-                p = scores.sub_(lse_tile).exp_()
+                p = exp_(scores.sub_(lse_tile))
                 dv[:, :, keys].add_(p.transpose(-1, -2) @ do_tile)
                 ds = (do_tile @ v[:, :, keys].transpose(-1, -2)).sub_(delta_tile).mul_(p)
                 dq_tile.add_(ds @ k[:, :, keys])

@@ -46,6 +46,7 @@ import torch
 
 from model.batch import segment_ids
 from model.dtypes import compute_dtype, upcast
+from model.ops.fast_exp import exp_
 from model.ops.fused import fusable
 
 SUB_TILE = 16
@@ -582,7 +583,7 @@ def _tile_factors(q, k, G):
     [.., n, 2t, K], q then k times row; and the references R [.., n, 1, K]."""
     Gt = _to_tiles(G)
     refs = Gt[..., _TILE_REF:_TILE_REF + 1, :]
-    row = (Gt - refs).exp_()
+    row = exp_(Gt - refs)
     rows = torch.stack((_to_tiles(q), _to_tiles(k)), dim=-3).mul_(row.unsqueeze(-3))
     return row, rows.flatten(-3, -2), refs
 
@@ -607,9 +608,10 @@ def _from_tiles(x):
 
 
 def _decay(exponent):
-    """exp, in place, of a log decay floored at -80: below about -87 exp leaves its vector path
-    (10x slower on CPU), and what it scales there is below 1e-35 of its size anyway."""
-    return exponent.clamp_(min=_EXP_FLOOR).exp_()
+    """exp, in place, of a log decay floored at -80: below about -87 torch's exp leaves its
+    vector path (10x slower on CPU), and what it scales there is below 1e-35 of its size
+    anyway."""
+    return exp_(exponent.clamp_(min=_EXP_FLOOR))
 
 
 def _score_masks(C, masks, device):
