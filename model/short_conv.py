@@ -11,33 +11,31 @@ from torch import nn
 from .ops.fused import fusable
 
 
-def _same_document(segments: torch.Tensor, shift: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, 1]: 1 where position t - shift exists and is in t's document, else 0."""
-    prev = F.pad(segments, (shift, 0), value=-1)[:, : segments.shape[1]]
-    return (prev == segments).unsqueeze(-1).to(dtype)
-
-
-def _shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """x[t - shift] at t (zeros before the start)."""
-    return F.pad(x, (0, 0, shift, 0))[:, : x.shape[1]]
-
-
 def _shifts(x: torch.Tensor, segments: torch.Tensor | None, kernel: int):
-    """(shift, x[t - shift], its same-document mask or None) for shift = 0 .. kernel - 1."""
-    yield 0, x, None
-    for shift in range(1, kernel):
-        mask = None if segments is None else _same_document(segments, shift, x.dtype)
-        yield shift, _shifted(x, shift), mask
+    """(shift, x[t - shift] for t >= shift, whether that input is in t's document) for shift =
+    0 .. kernel - 1: a view of x [B, T - shift, C] and a [B, T - shift, 1] mask in x's dtype (None
+    for shift 0 or without segments). Positions before `shift` read nothing: no zero padding, so
+    every term is one pass over the tokens that have an input at that shift."""
+    T = x.shape[1]
+    for shift in range(kernel):
+        reach = max(T - shift, 0)  # positions with an input this far back
+        mask = None
+        if segments is not None and shift:
+            mask = (segments[:, shift:] == segments[:, :reach]).unsqueeze(-1).to(x.dtype)
+        yield shift, x[:, :reach], mask
 
 
 def _conv(weight: torch.Tensor, shifts) -> torch.Tensor:
     kernel = weight.shape[-1]
     y = None
-    for shift, shifted, mask in shifts:
-        term = shifted * weight[:, kernel - 1 - shift]
+    for shift, earlier, mask in shifts:
+        term = earlier * weight[:, kernel - 1 - shift]
         if mask is not None:
-            term = term * mask
-        y = term if y is None else y + term
+            term.mul_(mask)
+        if y is None:  # shift 0: every position
+            y = term
+        else:
+            y[:, shift:] += term
     return y
 
 
@@ -81,15 +79,17 @@ def _conv_silu_backward(x, weight, segments, grad_out):
     shifts = list(_shifts(x, segments, kernel))  # kept for the weight's gradient
     grad_pre = torch.ops.aten.silu_backward(grad_out, _conv(weight, shifts))
     grad_x, grad_weight = None, []  # grad_weight by shift: column kernel - 1 - shift
-    for shift, shifted, mask in shifts:
-        grad_term = grad_pre if mask is None else grad_pre * mask
-        grad_weight.append((grad_term * shifted).sum((0, 1)))
+    for shift, earlier, mask in shifts:
+        grad_term = grad_pre[:, shift:]
+        if mask is not None:
+            grad_term = grad_term * mask
+        grad_weight.append((grad_term * earlier).sum((0, 1)))
         # y[t] read x[t - shift]: x[t] gets y[t + shift]'s gradient.
-        from_later = grad_term[:, shift:] * weight[:, kernel - 1 - shift]
+        from_later = grad_term * weight[:, kernel - 1 - shift]
         if grad_x is None:
             grad_x = from_later
         else:
-            grad_x[:, :-shift] += from_later
+            grad_x[:, :from_later.shape[1]] += from_later
     grad_weight = torch.stack(grad_weight[::-1], dim=-1)
     return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
 

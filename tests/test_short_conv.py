@@ -109,4 +109,5 @@ def test_fused_saves_x_and_the_document_ids():
     with SavedBytes([weight, x, segments]) as saved_by_reference:  # counts the intermediates
         doc_causal_conv1d_silu_reference(x, weight, segments)
     assert saved.bytes == x.untyped_storage().nbytes() + segments.untyped_storage().nbytes()
-    assert saved_by_reference.bytes >= KERNEL * x.numel() * 4  # K - 1 shifted x, pre-silu
+    # The reference keeps views of x and the masks, and the pre-silu sum: one more x in fp32.
+    assert saved_by_reference.bytes >= x.numel() * 4
