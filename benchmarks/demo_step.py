@@ -3,7 +3,7 @@ matmul probe and peak RSS of the whole process, for this checkout and, side by s
 run, for a baseline commit (checked out into a temporary git worktree).
 
     python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
-        [--fused] [--profile] [--phases] [--ops]
+        [--fused] [--profile] [--phases] [--ops] [--settings]
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
@@ -17,13 +17,16 @@ checkout's `train_step` into the model's forwards, the optimizer step and the re
 clipping, balancers), on the same prefetched batches, with `--fused` for eager and compiled
 kernels alternated in that one process (the side-by-side figure: separate runs differ by up to
 20% on a shared machine); `--ops` counts the operators one `train_step` dispatches, by caller
-(a figure that does not move with the machine's load).
+(a figure that does not move with the machine's load); `--settings` runs eager and fused
+kernels, with the demo's micro-batches and with the whole global batch as one, back to back on
+the same batches in one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -31,7 +34,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 2
@@ -105,11 +110,20 @@ def matmul_peak(threads: int) -> float:
     return _matmul_probe(torch.device("cpu"), seconds=3.0, windows=10)
 
 
+@dataclasses.dataclass
+class _Loop:
+    cfg: Any  # the demo's TrainConfig, its data in a temporary directory
+    model: Any
+    optimizers: list
+    global_batches: list  # `steps` global batches, the demo's micro-batches
+    run: Callable[[list], None]  # the loop's own train_step on one global batch
+    prefetch: Callable[[int], list]  # the same `steps` global batches in micro-batches of n rows
+
+
 @contextlib.contextmanager
 def _loop_on_prefetched_batches(threads: int, steps: int):
     """The loop's model (layout, precision, optimizers) for the demo config, its data prepared in
-    a temporary directory, `steps` global batches read ahead, and `run(micro_batches)`: the
-    loop's own `train_step` on one of them."""
+    a temporary directory, and `steps` global batches read ahead."""
     import torch
 
     from train.data import build_loader
@@ -120,24 +134,28 @@ def _loop_on_prefetched_batches(threads: int, steps: int):
         cfg = _demo_config(f"{tmp}/data")
         device = torch.device("cpu")
         model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
-        batches = iter(build_loader(cfg, dp_rank=0, dp_size=1))
-        accum = cfg.stage.global_batch_size // cfg.stage.micro_batch_size
-        global_batches = [[next(batches) for _ in range(accum)] for _ in range(steps)]
+
+        def prefetch(micro_batch_size: int) -> list:
+            stage = dataclasses.replace(cfg.stage, micro_batch_size=micro_batch_size)
+            batches = iter(build_loader(dataclasses.replace(cfg, stage=stage), dp_rank=0,
+                                        dp_size=1))
+            accum = stage.global_batch_size // micro_batch_size
+            return [[next(batches) for _ in range(accum)] for _ in range(steps)]
 
         def run(micro_batches) -> None:
             train_step(model, optimizers, micro_batches, device, precision, parallel, cfg.optim)
 
-        yield model, optimizers, global_batches, run
+        yield _Loop(cfg, model, optimizers, prefetch(cfg.stage.micro_batch_size), run, prefetch)
 
 
 def profile_one_step(threads: int) -> None:
     """Top operators (self CPU time) of one training step of this checkout's demo config."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _loop_on_prefetched_batches(threads, steps=2) as (_, _, global_batches, run):
-        run(global_batches[0])  # warm-up
+    with _loop_on_prefetched_batches(threads, steps=2) as loop:
+        loop.run(loop.global_batches[0])  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run(global_batches[1])
+            loop.run(loop.global_batches[1])
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
@@ -175,10 +193,10 @@ def op_counts(threads: int, top: int = 12) -> None:
             by_op[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    with _loop_on_prefetched_batches(threads, steps=2) as (_, _, global_batches, run):
-        run(global_batches[0])  # warm-up: lazily built state is not counted
+    with _loop_on_prefetched_batches(threads, steps=2) as loop:
+        loop.run(loop.global_batches[0])  # warm-up: lazily built state is not counted
         with Count():
-            run(global_batches[1])
+            loop.run(loop.global_batches[1])
     total = sum(by_op.values())
     print(f"ATen operators dispatched by one train_step: {total}")
     print(f"by caller (top {top}):")
@@ -207,10 +225,11 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = Fal
         return lambda *_: spans.__setitem__(
             name, spans[name] + time.perf_counter() - began[name])
 
-    with _loop_on_prefetched_batches(threads, steps) as (model, optimizers, global_batches, run):
-        model.register_forward_pre_hook(opening("forward"))
-        model.register_forward_hook(closing("forward"))
-        for opt in optimizers:
+    with _loop_on_prefetched_batches(threads, steps) as loop:
+        run, global_batches = loop.run, loop.global_batches
+        loop.model.register_forward_pre_hook(opening("forward"))
+        loop.model.register_forward_hook(closing("forward"))
+        for opt in loop.optimizers:
             opt.register_step_pre_hook(opening("optimizer"))
             opt.register_step_post_hook(closing("optimizer"))
         modes = (False, True) if fused else (False,)
@@ -249,6 +268,49 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = Fal
               f"({eager / compiled:.2f}x)")
 
 
+def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None:
+    """Eager and fused kernels (fused_kernels), the demo's micro-batches and the whole global
+    batch as one micro-batch, on the same `steps` prefetched global batches in one process:
+    all four settings run back to back on each batch, their order reversed every pass (the
+    machine's drift between separate runs is larger than these differences), with MFU
+    against the best matmul probe before and after."""
+    import time
+
+    from model.ops.fused import enable_fused_kernels
+
+    peaks = [matmul_peak(threads)]
+    with _loop_on_prefetched_batches(threads, steps) as loop:
+        sizes = (loop.cfg.stage.micro_batch_size, loop.cfg.stage.global_batch_size)
+        batches = {size: loop.prefetch(size) for size in sizes}
+        settings = [(fused, size) for fused in (False, True) for size in sizes]
+        for fused, size in settings:  # warm-up; compiles the fused kernels
+            enable_fused_kernels(fused)
+            for micro_batches in batches[size]:
+                loop.run(micro_batches)
+        times = {setting: [] for setting in settings}
+        for p in range(passes):
+            for i in range(steps):
+                for fused, size in settings if p % 2 == 0 else settings[::-1]:
+                    enable_fused_kernels(fused)
+                    start = time.perf_counter()
+                    loop.run(batches[size][i])
+                    times[fused, size].append(time.perf_counter() - start)
+        enable_fused_kernels(False)
+    peaks.append(matmul_peak(threads))
+    peak, flops = max(peaks), flops_per_step()
+    print(f"train_step settings side by side, {threads} threads, {passes} passes x {steps} global "
+          f"batches; matmul probe {peaks[0] / 1e9:.1f} / {peaks[1] / 1e9:.1f} GFLOP/s (MFU uses "
+          f"the best), {flops / 1e9:.2f} GFLOP per step")
+    print(f"{'kernels':<8} {'micro-batch':>11} {'median [s]':>11} {'fastest':>8} {'MFU':>6} "
+          f"{'MFU fastest':>12} {'vs first':>9}")
+    first = statistics.median(times[settings[0]])
+    for (fused, size), values in times.items():
+        median = statistics.median(values)
+        print(f"{'fused' if fused else 'eager':<8} {f'{size} rows':>11} {median:>11.3f} "
+              f"{min(values):>8.3f} {flops / median / peak:>6.1%} "
+              f"{flops / min(values) / peak:>12.1%} {first / median:>8.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -263,7 +325,13 @@ def main() -> None:
                         help="only time the phases of this checkout's train_step")
     parser.add_argument("--ops", action="store_true",
                         help="only count the operators one train_step dispatches")
+    parser.add_argument("--settings", action="store_true",
+                        help="only compare eager/fused kernels and micro-batch sizes in one "
+                             "process")
     args = parser.parse_args()
+    if args.settings:
+        settings_side_by_side(args.threads)
+        return
     if args.phases:
         phase_times(args.threads, fused=args.fused)
         return
