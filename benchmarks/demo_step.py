@@ -280,9 +280,10 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
 
     peaks = [matmul_peak(threads)]
     with _loop_on_prefetched_batches(threads, steps) as loop:
-        sizes = (loop.cfg.stage.micro_batch_size, loop.cfg.stage.global_batch_size)
-        batches = {size: loop.prefetch(size) for size in sizes}
-        settings = [(fused, size) for fused in (False, True) for size in sizes]
+        whole = loop.cfg.stage.global_batch_size
+        batches = {loop.cfg.stage.micro_batch_size: loop.global_batches}
+        batches.setdefault(whole, loop.prefetch(whole))
+        settings = [(fused, size) for fused in (False, True) for size in batches]
         for fused, size in settings:  # warm-up; compiles the fused kernels
             enable_fused_kernels(fused)
             for micro_batches in batches[size]:

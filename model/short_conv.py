@@ -31,9 +31,8 @@ def _taps(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
 
 
-def _conv(weight: torch.Tensor, shifts) -> torch.Tensor:
-    kernel = weight.shape[-1]
-    taps = _taps(weight)
+def _conv(taps: torch.Tensor, shifts) -> torch.Tensor:
+    kernel = taps.shape[0]
     y = None
     for shift, earlier, mask in shifts:
         term = earlier * taps[kernel - 1 - shift]
@@ -53,7 +52,7 @@ def doc_causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
     x [B, T, C], weight [C, K], segments [B, T] document ids or None (one document per row).
     Written as K shifted multiply-adds: static shapes, and the masking needs no gather.
     """
-    return _conv(weight, _shifts(x, segments, weight.shape[-1]))
+    return _conv(_taps(weight), _shifts(x, segments, weight.shape[-1]))
 
 
 def doc_causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor,
@@ -84,9 +83,9 @@ def _conv_silu_backward(x, weight, segments, grad_out):
     """The gradients of x and the weight, recomputing the convolution."""
     kernel = weight.shape[-1]
     shifts = list(_shifts(x, segments, kernel))  # kept for the weight's gradient
-    grad_pre = torch.ops.aten.silu_backward(grad_out, _conv(weight, shifts))
-    grad_x, grad_weight = None, []  # grad_weight by shift: column kernel - 1 - shift
     taps = _taps(weight)
+    grad_pre = torch.ops.aten.silu_backward(grad_out, _conv(taps, shifts))
+    grad_x, grad_weight = None, []  # grad_weight by shift: column kernel - 1 - shift
     for shift, earlier, mask in shifts:
         grad_term = grad_pre[:, shift:]
         if mask is not None:
