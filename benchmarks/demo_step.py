@@ -7,8 +7,9 @@ run, for a baseline commit (checked out into a temporary git worktree).
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
-warm-up and not counted. MFU is this checkout's model FLOPs per step (train/flops.py) over the
-median step time, against the best fp32 matmul probe of this benchmark process at the same
+warm-up and not counted. MFU is the median over the steps of this checkout's model FLOPs of
+each step (train/flops.py: the text's and MoonViT's on the step's images, as the loop logs them)
+over its time, against the best fp32 matmul probe of this benchmark process at the same
 thread count, taken before and after the runs (the loop's own MFU divides by one probe at its
 start-up, which a busy moment skews). `--compile` adds a row for this checkout with
 `compile=true`, `--fused` one with `fused_kernels=true` (model/ops/fused.py); `--profile`
@@ -71,8 +72,16 @@ def run_demo(checkout: Path, work: Path, steps: int, threads: int,
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows[WARMUP_STEPS:]]
     return {"step_time_s": statistics.median(times), "fastest_s": min(times),
+            "times": times, "model_flops": [r.get("model_flops") for r in rows[WARMUP_STEPS:]],
             "rss_first_gib": first_rss / 2**20, "rss_gib": rss / 2**20,
             "losses": [r["loss"] for r in rows]}
+
+
+def _mfu(flops: list[float], times: list[float], peak: float) -> tuple[float, float]:
+    """(median, best) of the steps' model FLOPs over their times, as shares of `peak`: the steps
+    with images do more work than those without."""
+    rates = [f / t for f, t in zip(flops, times, strict=True)]
+    return statistics.median(rates) / peak, max(rates) / peak
 
 
 def _demo_config(data_dir: str | None = None):
@@ -91,13 +100,20 @@ def _demo_config(data_dir: str | None = None):
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, output_dir=data_dir))
 
 
-def flops_per_step() -> float:
-    """Model FLOPs of one demo step (this checkout's count, as the loop's MFU uses)."""
+def text_flops_per_step() -> float:
+    """Model FLOPs of one demo step's text (this checkout's count, as the loop's MFU uses)."""
     from train.flops import training_flops_per_token
 
     cfg = _demo_config()
     tokens = cfg.stage.global_batch_size * cfg.stage.seq_len
     return training_flops_per_token(cfg.model, cfg.stage.seq_len) * tokens
+
+
+def step_flops(cfg, micro_batches) -> float:
+    """Model FLOPs of one step on these micro-batches: the text's and MoonViT's on its images."""
+    from train.flops import vision_training_flops
+
+    return text_flops_per_step() + vision_training_flops(cfg.model, micro_batches)
 
 
 def matmul_peak(threads: int) -> float:
@@ -297,19 +313,20 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
                     loop.run(batches[size][i])
                     times[fused, size].append(time.perf_counter() - start)
         enable_fused_kernels(False)
+        flops = [step_flops(loop.cfg, micro_batches) for micro_batches in loop.global_batches]
     peaks.append(matmul_peak(threads))
-    peak, flops = max(peaks), flops_per_step()
+    peak = max(peaks)
     print(f"train_step settings side by side, {threads} threads, {passes} passes x {steps} global "
           f"batches; matmul probe {peaks[0] / 1e9:.1f} / {peaks[1] / 1e9:.1f} GFLOP/s (MFU uses "
-          f"the best), {flops / 1e9:.2f} GFLOP per step")
+          f"the best); model FLOPs per step " + ", ".join(f"{f / 1e9:.2f}" for f in flops) + " G")
     print(f"{'kernels':<8} {'micro-batch':>11} {'median [s]':>11} {'fastest':>8} {'MFU':>6} "
-          f"{'MFU fastest':>12} {'vs first':>9}")
+          f"{'MFU best':>9} {'vs first':>9}")
     first = statistics.median(times[settings[0]])
     for (fused, size), values in times.items():
         median = statistics.median(values)
+        mfu, best = _mfu(flops * passes, values, peak)
         print(f"{'fused' if fused else 'eager':<8} {f'{size} rows':>11} {median:>11.3f} "
-              f"{min(values):>8.3f} {flops / median / peak:>6.1%} "
-              f"{flops / min(values) / peak:>12.1%} {first / median:>8.2f}x")
+              f"{min(values):>8.3f} {mfu:>6.1%} {best:>9.1%} {first / median:>8.2f}x")
 
 
 def main() -> None:
@@ -361,18 +378,23 @@ def main() -> None:
             results["fused_kernels=true"] = run_demo(REPO, tmp / "fused", args.steps,
                                                      args.threads, ("fused_kernels=true",))
     peaks.append(matmul_peak(args.threads))
-    peak, flops = max(peaks), flops_per_step()
+    peak, flops = max(peaks), results["this checkout"]["model_flops"]
     print(f"k3-train demo, {args.steps} steps ({WARMUP_STEPS} warm-up), {args.threads} threads")
+    text = text_flops_per_step()
     print(f"matmul probe: {peaks[0] / 1e9:.1f} GFLOP/s before, {peaks[1] / 1e9:.1f} after (MFU "
-          f"uses the best); model FLOPs per step {flops / 1e9:.2f} G (this checkout's count)")
+          f"uses the best); model FLOPs per step {statistics.median(flops) / 1e9:.2f} G at the "
+          f"median (this checkout's count of each step, the text's {text / 1e9:.2f} G and "
+          f"MoonViT's on the step's images; for a baseline too: the same data order)")
+    print("MFU: the median and the best of the steps' model FLOPs over their times")
     print("peak RSS [GiB]: 'first' = the first run (curation + 1 step), 'train' = training on "
           "the prepared data")
-    print(f"{'checkout':<22} {'step [s]':>9} {'fastest':>8} {'MFU':>7} {'RSS first':>10} "
-          f"{'RSS train':>10} {'last loss':>10}")
+    print(f"{'checkout':<22} {'step [s]':>9} {'fastest':>8} {'MFU':>7} {'MFU best':>9} "
+          f"{'RSS first':>10} {'RSS train':>10} {'last loss':>10}")
     for name, r in results.items():
-        print(f"{name:<22} {r['step_time_s']:>9.3f} {r['fastest_s']:>8.3f} "
-              f"{flops / r['step_time_s'] / peak:>7.1%} {r['rss_first_gib']:>10.2f} "
-              f"{r['rss_gib']:>10.2f} {r['losses'][-1]:>10.4f}")
+        mfu, best = _mfu(flops, r["times"], peak)
+        print(f"{name:<22} {r['step_time_s']:>9.3f} {r['fastest_s']:>8.3f} {mfu:>7.1%} "
+              f"{best:>9.1%} {r['rss_first_gib']:>10.2f} {r['rss_gib']:>10.2f} "
+              f"{r['losses'][-1]:>10.4f}")
     print("losses of the first steps (results must not change):")
     for name, r in results.items():
         print(f"{name:<22} " + " ".join(f"{loss:.6f}" for loss in r["losses"][:3]))

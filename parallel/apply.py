@@ -108,6 +108,11 @@ class ParallelPlan:
         """Over the ranks that hold different tokens of the same model replica step: dp x cp."""
         return _all_reduce(t, dist.ReduceOp.SUM, self._group("dp_cp"))
 
+    def sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        """Over the data-parallel ranks, each of which reads other samples (its context-parallel
+        and tensor-parallel peers read the same ones)."""
+        return _all_reduce(t, dist.ReduceOp.SUM, self._group("dp"))
+
     def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
         """Over the pipeline ranks (each holds other layers; one process: nothing to add)."""
         return _all_reduce(t, dist.ReduceOp.SUM, self._group("pp"))

@@ -7,7 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from model.batch import K3Batch
 from model.config import k3_tiny, replace
 from model.k3 import K3Model
-from train.flops import forward_flops_per_token, training_flops_per_token
+from model.vision.moonvit import MoonViT
+from train.flops import forward_flops_per_token, training_flops_per_token, vision_forward_flops
 
 aten = torch.ops.aten
 
@@ -66,3 +67,18 @@ def test_analytic_flops_match_flop_counter(seq_len):
     measured_ratio = total.get_total_flops() / forward.get_total_flops()
     assert 3.0 <= measured_ratio <= 3.1, f"(forward+backward)/forward = {measured_ratio:.3f}"
     assert training_flops_per_token(cfg, seq_len) == 3 * forward_flops_per_token(cfg, seq_len)
+
+
+def test_vision_flops_match_flop_counter():
+    """Images of two sizes and a video of 6 frames (a chunk of 4 and one of 2): the patch
+    embedding, blocks, per-segment attention and projector as FlopCounterMode counts them."""
+    torch.manual_seed(0)
+    cfg = k3_tiny()
+    vision = MoonViT(cfg.vision, cfg.hidden_size)
+    grid_thw = [[1, 4, 6], [6, 2, 4], [1, 8, 8]]
+    patches = torch.randn(sum(t * h * w for t, h, w in grid_thw), cfg.vision.patch_dim)
+    counter = FlopCounterMode(display=False, custom_mapping=CUSTOM)
+    with counter:
+        vision(patches, torch.tensor(grid_thw))
+    assert counter.get_total_flops() == vision_forward_flops(cfg, grid_thw)
+    assert vision_forward_flops(cfg, []) == 0

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from model.config import k3_tiny
 from tests.train_helpers import (
     FAST,
     REPO,
@@ -22,6 +23,7 @@ from tests.train_helpers import (
     wait_for,
 )
 from train.checkpoint_integrity import verify
+from train.flops import training_flops_per_token
 from train.wandb_records import read_history, run_id
 
 pytestmark = pytest.mark.slow
@@ -40,6 +42,10 @@ def test_short_run_learns_and_writes_everything(tmp_path, sample_data_dir):
                 "moe/max_over_mean_max", "moe/bias_min", "moe/bias_max", "attn/max_logit"):
         assert key in rows[-1], key
     assert rows[-1]["mfu_peak_source"] == "cpu matmul probe"
+    # The text's FLOPs every step; MoonViT's on top where the step has images (some do).
+    text = training_flops_per_token(k3_tiny(), 128) * 4 * 128
+    assert min(r["model_flops"] for r in rows) == text
+    assert max(r["model_flops"] for r in rows) > text
     assert (run / "training.png").stat().st_size > 1000
     assert (run / "DONE").exists()
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
@@ -102,6 +108,9 @@ def test_two_rank_data_parallel_matches_one_rank(tmp_path, sample_data_dir):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+    # The same images in each step's global batch, split over the ranks: the same model FLOPs.
+    flops_a, flops_b = ([r["model_flops"] for r in read_metrics(run)] for run in (one, two))
+    assert flops_a == flops_b and len(set(flops_a)) > 1, (flops_a, flops_b)
     val_a = {r["step"]: r["val_loss"] for r in read_metrics(one) if "val_loss" in r}
     val_b = {r["step"]: r["val_loss"] for r in read_metrics(two) if "val_loss" in r}
     assert sorted(val_a) == sorted(val_b) == [2, 4]

@@ -3,9 +3,10 @@
 FLOPs are counted analytically from the config (the same numbers `k3-plan` prints): 2 FLOPs per
 weight a token passes through (routed experts: top_k of num_experts), plus the attention cores,
 times 3 for forward + backward. Element-wise work (norms, activations, gates) is not counted, as
-in Megatron's and PaLM's MFU convention. Vision-encoder FLOPs are not included (they depend on
-the image mix, not on the text token count), nor are the depthwise short convolutions (element-wise
-multiply-adds, 0.03% of a K3 layer).
+in Megatron's and PaLM's MFU convention, nor are the depthwise short convolutions (element-wise
+multiply-adds, 0.03% of a K3 layer). The vision encoder's FLOPs depend on the image mix, not on
+the text token count: `vision_forward_flops` counts them per batch from grid_thw, and the loop's
+MFU adds them to the text's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from model.config import K3Config
 from model.ops.kda import SUB_TILE
+from model.vision.layout import grids_from, num_chunks
 
 
 def _weights_per_token(cfg: K3Config) -> dict[str, int]:
@@ -96,6 +98,35 @@ def forward_flops_per_token(cfg: K3Config, seq_len: int, causal: bool = True) ->
 def training_flops_per_token(cfg: K3Config, seq_len: int) -> int:
     """Forward + backward (backward = 2x forward)."""
     return 3 * forward_flops_per_token(cfg, seq_len)
+
+
+def vision_forward_flops(cfg: K3Config, grid_thw) -> int:
+    """Forward FLOPs of MoonViT on the images and videos of one batch (grid_thw [I, 3], host
+    rows): the patch embedding, each block's q/k/v/o projections, MLP and attention core (every
+    patch against its whole segment: an image, or a video chunk of up to time_table_size frames),
+    and the projector on the merged tokens. Position-table interpolation and pooling are
+    element-wise and not counted."""
+    v = cfg.vision
+    width = v.num_heads * v.head_dim
+    patches = segment_squares = merged = 0
+    for t, h, w in grids_from(grid_thw):
+        patches += t * h * w
+        full, rest = divmod(t, v.time_table_size)
+        segment_squares += (full * v.time_table_size**2 + rest**2) * (h * w) ** 2
+        merged += num_chunks(t, v) * (h // v.merge_size) * (w // v.merge_size)
+    # Multiply-adds, 2 FLOPs each.
+    embed = patches * v.patch_dim * v.hidden_size
+    block = (patches * (4 * v.hidden_size * width + 2 * v.hidden_size * v.intermediate_size)
+             + 2 * width * segment_squares)  # q.k and p.v
+    projector = merged * (v.merge_size**2 * v.hidden_size + cfg.hidden_size) * v.projector_hidden
+    return 2 * (embed + v.num_layers * block + projector)
+
+
+def vision_training_flops(cfg: K3Config, micro_batches) -> int:
+    """Forward + backward (3x forward, as for the text) FLOPs of MoonViT over the images and
+    videos of these micro-batches (K3Batch; their grid_thw on the host, as the loader yields)."""
+    return 3 * sum(vision_forward_flops(cfg, mb.vision.grid_thw) for mb in micro_batches
+                   if mb.vision is not None)
 
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common training GPUs, by device-name substring.

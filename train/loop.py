@@ -25,7 +25,7 @@ from .checkpoint_integrity import resume_checkpoint
 from .config import TrainConfig, validate_train_config
 from .data import build_loader
 from .distributed import DistEnv, init_distributed, init_topology, shutdown
-from .flops import PeakFlops, training_flops_per_token
+from .flops import PeakFlops, training_flops_per_token, vision_training_flops
 from .metrics import MetricsLogger
 from .optim.factory import build_optimizer, describe_groups, set_lr
 from .precision.plan import PrecisionPlan
@@ -210,6 +210,7 @@ def train(cfg: TrainConfig) -> int:
                        min_lr_ratio=cfg.optim.min_lr_ratio)
             set_lr(optimizers, lr)
             micro_batches = [next(batches) for _ in range(accum)]
+            vision_flops = vision_training_flops(cfg.model, micro_batches)
             inject_rank_failure(step, env.rank)
             result = train_step(model, optimizers, micro_batches,
                                 env.device, precision, parallel, cfg.optim)
@@ -224,10 +225,13 @@ def train(cfg: TrainConfig) -> int:
             eta_s = eta.update(step, time.perf_counter() - t0)
             if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite or evaluated:
                 tps = tokens_per_step / elapsed
+                model_flops = tokens_per_step * flops_per_token + float(parallel.sum_over_replicas(
+                    torch.tensor([float(vision_flops)], device=env.device)))
                 row = {"step": step, "loss": float(loss), **val, "lr": lr,
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": elapsed,
                        "eta_s": eta_s,
-                       "mfu": tps * flops_per_token / (peak.flops * env.world_size),
+                       "model_flops": model_flops,
+                       "mfu": model_flops / elapsed / (peak.flops * env.world_size),
                        "mfu_peak_source": peak.source, "peak_mem_gb": peak_memory_gb(env.device),
                        "skipped": not finite, "nonfinite_in_a_row": nonfinite_in_a_row,
                        **parallel.stage_figures({**moe_stats(model), **clip_row})}
