@@ -109,13 +109,6 @@ def text_flops_per_step() -> float:
     return training_flops_per_token(cfg.model, cfg.stage.seq_len) * tokens
 
 
-def step_flops(cfg, micro_batches) -> float:
-    """Model FLOPs of one step on these micro-batches: the text's and MoonViT's on its images."""
-    from train.flops import vision_training_flops
-
-    return text_flops_per_step() + vision_training_flops(cfg.model, micro_batches)
-
-
 def matmul_peak(threads: int) -> float:
     """The best fp32 matmul rate of this process at `threads` threads (FLOP/s)."""
     import torch
@@ -293,6 +286,7 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
     import time
 
     from model.ops.fused import enable_fused_kernels
+    from train.flops import vision_training_flops
 
     peaks = [matmul_peak(threads)]
     with _loop_on_prefetched_batches(threads, steps) as loop:
@@ -313,7 +307,9 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
                     loop.run(batches[size][i])
                     times[fused, size].append(time.perf_counter() - start)
         enable_fused_kernels(False)
-        flops = [step_flops(loop.cfg, micro_batches) for micro_batches in loop.global_batches]
+        text = text_flops_per_step()  # and MoonViT's on each step's images:
+        flops = [text + vision_training_flops(loop.cfg.model, micro_batches)
+                 for micro_batches in loop.global_batches]
     peaks.append(matmul_peak(threads))
     peak = max(peaks)
     print(f"train_step settings side by side, {threads} threads, {passes} passes x {steps} global "

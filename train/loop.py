@@ -225,8 +225,9 @@ def train(cfg: TrainConfig) -> int:
             eta_s = eta.update(step, time.perf_counter() - t0)
             if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite or evaluated:
                 tps = tokens_per_step / elapsed
-                model_flops = tokens_per_step * flops_per_token + float(parallel.sum_over_replicas(
-                    torch.tensor([float(vision_flops)], device=env.device)))
+                vision = torch.tensor([float(vision_flops)], dtype=torch.float64, device=env.device)
+                model_flops = tokens_per_step * flops_per_token + float(
+                    parallel.sum_over_replicas(vision))
                 row = {"step": step, "loss": float(loss), **val, "lr": lr,
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": elapsed,
                        "eta_s": eta_s,
