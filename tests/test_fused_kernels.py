@@ -81,6 +81,26 @@ def test_element_wise_kernels_compile_and_match_the_references(fused_kernels):
         assert f"model.{kernel}" in compiled, (kernel, compiled)
 
 
+def test_row_wise_kernels_compile_once_per_width(fused_kernels):
+    """The norms and SiTU-GLU take any leading shape with one graph per width and direction
+    (the demo's norms ran at 11 shapes of 3 widths; each graph costs 1-2 s of compiling)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    weight = 1 + 0.1 * torch.randn(48)  # widths no other test compiles
+    shapes = [(3, 40), (130,), (2, 3, 17)]
+    before = counters["stats"]["unique_graphs"]
+    for lead in shapes:
+        x = torch.randn(*lead, 48) * 3
+        _assert_matches(lambda x, w: rms_norm_reference(x, w, 1e-5),
+                        lambda x, w: rms_norm(x, w, 1e-5), (x, weight), f"RMSNorm {lead}")
+    assert counters["stats"]["unique_graphs"] - before == 2  # forward and backward
+    for lead in shapes:
+        gate, up = torch.randn(2, *lead, 24) * 4
+        _assert_matches(situ_glu_reference, situ_glu, (gate, up), f"SiTU-GLU {lead}")
+    assert counters["stats"]["unique_graphs"] - before == 4
+
+
 def test_bounded_kda_kernels_compile_and_match_the_recurrence(fused_kernels):
     """Packed documents in rows that each start one, initial states: the layer's case."""
     torch.manual_seed(0)

@@ -18,8 +18,9 @@ _enabled = False
 _compiled: list[str] = []  # the kernels compiled so far, by name
 
 
-# Graphs per kernel: each dtype, tensor rank and None-ness of an optional argument compiles one,
-# a size that changes one more (with that size dynamic); a K3 run meets a few, a test suite more.
+# Graphs per kernel: each dtype, tensor rank (width, for the row-wise kernels) and None-ness of
+# an optional argument compiles one, a size that changes one more (with that size dynamic); a K3
+# run meets a few, a test suite more.
 _GRAPHS_PER_KERNEL = 64
 
 
@@ -51,11 +52,19 @@ def _plain_tensors(args) -> bool:
                if isinstance(a, torch.Tensor))
 
 
-def fusable(fn):
+def fusable(fn=None, *, rows: bool = False):
     """`fn` compiled on first use when fused kernels are on (for the sizes seen first, and once
     more with dynamic sizes where they change, as the vision tower's patch counts do); `fn`
     itself otherwise, for tensor subclasses (DTensor), and inside a graph that torch.compile is
-    already tracing (which then fuses it with its surroundings)."""
+    already tracing (which then fuses it with its surroundings).
+
+    rows=True for row-wise kernels (norms, activations): every tensor argument of two or more
+    dims is [..., width] over the same leading dims (tokens, patches, expert slots). The
+    compiled kernel takes them as [rows, width] with any number of rows, and its outputs of two
+    dims come back with those leading dims: one graph per width and layout serves every shape
+    (the demo's norms run at 3 widths in 11 shapes; each graph costs 1-2 s of compiling)."""
+    if fn is None:
+        return functools.partial(fusable, rows=rows)
     compiled = None
 
     @functools.wraps(fn)
@@ -66,6 +75,33 @@ def fusable(fn):
         if compiled is None:
             compiled = torch.compile(fn, fullgraph=True)
             _compiled.append(f"{fn.__module__}.{fn.__qualname__}")
+        if rows:
+            return _on_rows(compiled, args, kwargs)
         return compiled(*args, **kwargs)
 
     return call
+
+
+def _on_rows(compiled, args, kwargs):
+    """compiled(*args) on [rows, width] forms of the tensor arguments, rows marked dynamic."""
+    lead = next((a.shape[:-1] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2),
+                None)
+    if lead is None:
+        return compiled(*args, **kwargs)
+    detach = not torch.is_grad_enabled()  # the kernels run under no_grad; keep autograd if not
+    flat = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() >= 2:
+            if a.dim() > 2:
+                a = a.flatten(0, -2)
+            if detach:  # dynamo guards a view's base and requires_grad: one graph for all
+                a = a.detach()
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+        flat.append(a)
+
+    def unflatten(out):
+        is_rows = isinstance(out, torch.Tensor) and out.dim() == 2 and len(lead) != 1
+        return out.view(*lead, out.shape[-1]) if is_rows else out
+
+    out = compiled(*flat, **kwargs)
+    return tuple(unflatten(o) for o in out) if isinstance(out, tuple) else unflatten(out)
