@@ -40,10 +40,10 @@ class _SiTUGLU(torch.autograd.Function):
         return *_situ_glu_backward(gate, up, grad_out, *ctx.betas), None, None
 
 
-_situ_glu_forward = fusable(situ_glu_reference, rows=True)
+_situ_glu_forward = fusable(situ_glu_reference, dynamic="rows")
 
 
-@fusable(rows=True)
+@fusable(dynamic="rows")
 def _situ_glu_backward(gate, up, grad_out, beta_gate: float, beta_up: float):
     """The gradients of gate and up, recomputing the tanh and sigmoid."""
     dtype = _compute_dtype(gate.dtype)

@@ -49,7 +49,7 @@ class _DepthMix(torch.autograd.Function):
                 *(d.to(s.dtype) for d, s in zip(dvalues.unbind(0), sources)))
 
 
-@fusable
+@fusable(dynamic="dim0")
 def _depth_mix_forward(values, query, norm_weight, eps: float):
     """(mixed, weights, 1 / rms per source row): the reference's ops in its order (unfused, the
     mix is bitwise the same)."""
@@ -60,7 +60,7 @@ def _depth_mix_forward(values, query, norm_weight, eps: float):
     return mixed, weights, rstd
 
 
-@fusable
+@fusable(dynamic="dim0")
 def _depth_mix_backward(values, query, norm_weight, weights, rstd, grad):
     """Gradients of the stacked values, the query and the norm weight. The logits are
     x_hat . u with x_hat = values / rms and u = norm_weight * query, so the norm's backward

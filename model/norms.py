@@ -35,7 +35,7 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-@fusable(rows=True)
+@fusable(dynamic="rows")
 def _rms_norm_forward(x, weight, eps: float):
     """(y, 1 / rms per row); the reference's ops in its order: unfused, y is bitwise the same."""
     x32 = upcast(x)
@@ -46,7 +46,7 @@ def _rms_norm_forward(x, weight, eps: float):
     return y.to(x.dtype), rstd
 
 
-@fusable(rows=True)
+@fusable(dynamic="rows")
 def _rms_norm_backward(x, weight, rstd, grad_out, need_weight: bool):
     x_hat = upcast(x) * rstd
     grad = grad_out.to(x_hat.dtype)

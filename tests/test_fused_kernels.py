@@ -101,6 +101,21 @@ def test_row_wise_kernels_compile_once_per_width(fused_kernels):
     assert counters["stats"]["unique_graphs"] - before == 4
 
 
+def test_depth_mix_compiles_once_for_any_number_of_sources(fused_kernels):
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    query, weight = torch.randn(40), 1 + 0.1 * torch.randn(40)  # a width no other test compiles
+    before = counters["stats"]["unique_graphs"]
+    for n in (2, 3, 4):
+        sources = [torch.randn(2, 30, 40) * (i + 1) for i in range(n)]
+        _assert_as_exact_as_reference(
+            lambda *a: depth_mix_reference(list(a[:-2]), a[-2], a[-1], 1e-5),
+            lambda *a: depth_mix(list(a[:-2]), a[-2], a[-1], 1e-5), (*sources, query, weight),
+            f"depth mix of {n} sources")
+    assert counters["stats"]["unique_graphs"] - before == 2  # forward and backward
+
+
 def test_bounded_kda_kernels_compile_and_match_the_recurrence(fused_kernels):
     """Packed documents in rows that each start one, initial states: the layer's case."""
     torch.manual_seed(0)

@@ -52,19 +52,23 @@ def _plain_tensors(args) -> bool:
                if isinstance(a, torch.Tensor))
 
 
-def fusable(fn=None, *, rows: bool = False):
+def fusable(fn=None, *, dynamic: str | None = None):
     """`fn` compiled on first use when fused kernels are on (for the sizes seen first, and once
     more with dynamic sizes where they change, as the vision tower's patch counts do); `fn`
     itself otherwise, for tensor subclasses (DTensor), and inside a graph that torch.compile is
-    already tracing (which then fuses it with its surroundings).
+    already tracing (which then fuses it with its surroundings). Each graph costs 1-2 s of
+    compiling on CPU; `dynamic` says which sizes one graph takes, for every tensor argument of
+    two or more dims:
 
-    rows=True for row-wise kernels (norms, activations): every tensor argument of two or more
-    dims is [..., width] over the same leading dims (tokens, patches, expert slots). The
-    compiled kernel takes them as [rows, width] with any number of rows, and its outputs of two
-    dims come back with those leading dims: one graph per width and layout serves every shape
-    (the demo's norms run at 3 widths in 11 shapes; each graph costs 1-2 s of compiling)."""
+    - "rows", for row-wise kernels (norms, activations): the arguments are [..., width] over the
+      same leading dims (tokens, patches, expert slots); the kernel takes them as [rows, width]
+      with any number of rows, and its outputs of two dims come back with those leading dims.
+      One graph per width (the demo's norms run at 3 widths in 11 shapes).
+    - "dim0": any size in the first dim (the depth mix's count of sources)."""
+    if dynamic not in (None, "rows", "dim0"):
+        raise ValueError(f"dynamic={dynamic!r} is invalid: must be None, 'rows' or 'dim0'")
     if fn is None:
-        return functools.partial(fusable, rows=rows)
+        return functools.partial(fusable, dynamic=dynamic)
     compiled = None
 
     @functools.wraps(fn)
@@ -75,33 +79,35 @@ def fusable(fn=None, *, rows: bool = False):
         if compiled is None:
             compiled = torch.compile(fn, fullgraph=True)
             _compiled.append(f"{fn.__module__}.{fn.__qualname__}")
-        if rows:
-            return _on_rows(compiled, args, kwargs)
-        return compiled(*args, **kwargs)
+        if dynamic is None:
+            return compiled(*args, **kwargs)
+        return _with_dynamic_dim0(compiled, args, kwargs, flatten=dynamic == "rows")
 
     return call
 
 
-def _on_rows(compiled, args, kwargs):
-    """compiled(*args) on [rows, width] forms of the tensor arguments, rows marked dynamic."""
+def _with_dynamic_dim0(compiled, args, kwargs, flatten: bool):
+    """compiled(*args) with dim 0 of the tensor arguments marked dynamic, after flattening their
+    leading dims into one (rows) if `flatten`; outputs of two dims get the leading dims back."""
     lead = next((a.shape[:-1] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2),
                 None)
     if lead is None:
         return compiled(*args, **kwargs)
     detach = not torch.is_grad_enabled()  # the kernels run under no_grad; keep autograd if not
-    flat = []
+    prepared = []
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() >= 2:
-            if a.dim() > 2:
+            if flatten and a.dim() > 2:
                 a = a.flatten(0, -2)
             if detach:  # dynamo guards a view's base and requires_grad: one graph for all
                 a = a.detach()
             torch._dynamo.maybe_mark_dynamic(a, 0)
-        flat.append(a)
+        prepared.append(a)
+    out = compiled(*prepared, **kwargs)
+    if not flatten or len(lead) == 1:
+        return out
 
-    def unflatten(out):
-        is_rows = isinstance(out, torch.Tensor) and out.dim() == 2 and len(lead) != 1
-        return out.view(*lead, out.shape[-1]) if is_rows else out
+    def unflatten(x):
+        return x.view(*lead, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() == 2 else x
 
-    out = compiled(*flat, **kwargs)
-    return tuple(unflatten(o) for o in out) if isinstance(out, tuple) else unflatten(out)
+    return tuple(unflatten(x) for x in out) if isinstance(out, tuple) else unflatten(out)
