@@ -54,11 +54,10 @@ def _plain_tensors(args) -> bool:
 
 def fusable(fn=None, *, dynamic: str | None = None):
     """`fn` compiled on first use when fused kernels are on (for the sizes seen first, and once
-    more with dynamic sizes where they change, as the vision tower's patch counts do); `fn`
-    itself otherwise, for tensor subclasses (DTensor), and inside a graph that torch.compile is
-    already tracing (which then fuses it with its surroundings). Each graph costs 1-2 s of
-    compiling on CPU; `dynamic` says which sizes one graph takes, for every tensor argument of
-    two or more dims:
+    more with dynamic sizes where one changes); `fn` itself otherwise, for tensor subclasses
+    (DTensor), and inside a graph that torch.compile is already tracing (which then fuses it
+    with its surroundings). Each graph costs 1-2 s of compiling on CPU; `dynamic` says which
+    sizes one graph takes, for every tensor argument of two or more dims:
 
     - "rows", for row-wise kernels (norms, activations): the arguments are [..., width] over the
       same leading dims (tokens, patches, expert slots); the kernel takes them as [rows, width]
