@@ -3,7 +3,7 @@ matmul probe and peak RSS of the whole process, for this checkout and, side by s
 run, for a baseline commit (checked out into a temporary git worktree).
 
     python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
-        [--fused] [--profile] [--phases] [--ops] [--settings]
+        [--fused] [--profile] [--phases] [--ops] [--settings] [--compile-cost]
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
@@ -20,7 +20,8 @@ kernels alternated in that one process (the side-by-side figure: separate runs d
 20% on a shared machine); `--ops` counts the operators one `train_step` dispatches, by caller
 (a figure that does not move with the machine's load); `--settings` runs eager and fused
 kernels, with the demo's micro-batches and with the whole global batch as one, back to back on
-the same batches in one process.
+the same batches in one process; `--compile-cost` times the first fused step with an empty and
+with a warm inductor cache, in two fresh processes.
 """
 
 from __future__ import annotations
@@ -325,6 +326,49 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
               f"{min(values):>8.3f} {mfu:>6.1%} {best:>9.1%} {first / median:>8.2f}x")
 
 
+def first_fused_step(threads: int) -> None:
+    """This process's first train_step with fused kernels in the fast setting (the global batch
+    as one micro-batch), after an eager one: its time, the next step's, and the graphs dynamo
+    compiled, as one JSON line (for compile_cost)."""
+    import time
+
+    from torch._dynamo.utils import counters
+
+    from model.ops.fused import enable_fused_kernels
+
+    with _loop_on_prefetched_batches(threads, steps=1) as loop:
+        batch = loop.prefetch(loop.cfg.stage.global_batch_size)[0]
+        loop.run(batch)  # eager: first-use costs outside the timing
+        enable_fused_kernels(True)
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            loop.run(batch)
+            times.append(time.perf_counter() - start)
+    print(json.dumps({"first_s": times[0], "next_s": times[1],
+                      "graphs": counters["stats"]["unique_graphs"]}))
+
+
+def compile_cost(threads: int) -> None:
+    """What the fused kernels' compile costs a demo run: the first fused step in a process with
+    an empty inductor cache (TORCHINDUCTOR_CACHE_DIR; its vector-ISA probe included, inductor's
+    precompiled header lives outside it and is built once per machine), then in a second process
+    that finds the kernels in that cache."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for state in ("empty", "warm"):
+            out = subprocess.run([sys.executable, "-m", "benchmarks.demo_step",
+                                  "--first-fused-step", "--threads", str(threads)], cwd=REPO,
+                                 env=env, check=True, capture_output=True, text=True).stdout
+            rows.append((state, json.loads(out.strip().splitlines()[-1])))
+    print(f"fused kernels' compile in the demo's fast setting (the global batch as one "
+          f"micro-batch), {threads} threads")
+    print(f"{'cache':<6} {'first fused step [s]':>20} {'graphs':>7} {'next step [s]':>14}")
+    for state, r in rows:
+        print(f"{state:<6} {r['first_s']:>20.1f} {r['graphs']:>7} {r['next_s']:>14.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -342,7 +386,16 @@ def main() -> None:
     parser.add_argument("--settings", action="store_true",
                         help="only compare eager/fused kernels and micro-batch sizes in one "
                              "process")
+    parser.add_argument("--compile-cost", action="store_true",
+                        help="only measure the fused kernels' compile, cold and warm")
+    parser.add_argument("--first-fused-step", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.first_fused_step:
+        first_fused_step(args.threads)
+        return
+    if args.compile_cost:
+        compile_cost(args.threads)
+        return
     if args.settings:
         settings_side_by_side(args.threads)
         return
