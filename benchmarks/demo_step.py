@@ -4,6 +4,7 @@ run, for a baseline commit (checked out into a temporary git worktree).
 
     python -m benchmarks.demo_step --steps 20 --baseline 40c8bbd [--threads 2] [--compile]
         [--fused] [--profile] [--phases] [--ops] [--settings] [--compile-cost]
+        [--widths HIDDEN ...]
 
 Each checkout prepares its own copy of the sample in a first run (its data format may differ),
 then trains `--steps` steps with checkpoints, W&B and the plot off; the first two steps are
@@ -21,7 +22,8 @@ kernels alternated in that one process (the side-by-side figure: separate runs d
 (a figure that does not move with the machine's load); `--settings` runs eager and fused
 kernels, with the demo's micro-batches and with the whole global batch as one, back to back on
 the same batches in one process; `--compile-cost` times the first fused step with an empty and
-with a warm inductor cache, in two fresh processes.
+with a warm inductor cache, in two fresh processes; `--widths 64 128 256` times the eager step
+with the model at those hidden sizes (heads, low ranks and MLPs scaled with it) in one process.
 """
 
 from __future__ import annotations
@@ -137,13 +139,11 @@ def _loop_on_prefetched_batches(threads: int, steps: int):
     import torch
 
     from train.data import build_loader
-    from train.loop import build_parallel_model, train_step
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _demo_config(f"{tmp}/data")
-        device = torch.device("cpu")
-        model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
+        model, optimizers, run = _train_step_of(cfg)
 
         def prefetch(micro_batch_size: int) -> list:
             stage = dataclasses.replace(cfg.stage, micro_batch_size=micro_batch_size)
@@ -152,10 +152,22 @@ def _loop_on_prefetched_batches(threads: int, steps: int):
             accum = stage.global_batch_size // micro_batch_size
             return [[next(batches) for _ in range(accum)] for _ in range(steps)]
 
-        def run(micro_batches) -> None:
-            train_step(model, optimizers, micro_batches, device, precision, parallel, cfg.optim)
-
         yield _Loop(cfg, model, optimizers, prefetch(cfg.stage.micro_batch_size), run, prefetch)
+
+
+def _train_step_of(cfg) -> tuple[Any, list, Callable[[list], None]]:
+    """The loop's model, optimizers and its own train_step on one global batch, on CPU."""
+    import torch
+
+    from train.loop import build_parallel_model, train_step
+
+    device = torch.device("cpu")
+    model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
+
+    def run(micro_batches) -> None:
+        train_step(model, optimizers, micro_batches, device, precision, parallel, cfg.optim)
+
+    return model, optimizers, run
 
 
 def profile_one_step(threads: int) -> None:
@@ -326,6 +338,77 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
               f"{min(values):>8.3f} {mfu:>6.1%} {best:>9.1%} {first / median:>8.2f}x")
 
 
+def _widened(model, width: int):
+    """The demo's model at hidden size `width`: the head counts, low ranks and MLP sizes scaled
+    with it, the head dims, depth, vocabulary and vision tower kept."""
+    factor = width / model.hidden_size
+
+    def scaled(value: int) -> int:
+        if (value * factor) % 1:
+            raise ValueError(f"--widths: {width} does not scale {model.name}'s size {value} "
+                             f"to a whole number (use a multiple of {model.hidden_size // 2})")
+        return int(value * factor)
+
+    kda, mla, moe = model.kda, model.mla, model.moe
+    return dataclasses.replace(
+        model, name=f"{model.name}@{width}", hidden_size=width,
+        dense_intermediate=scaled(model.dense_intermediate),
+        kda=dataclasses.replace(kda, num_heads=scaled(kda.num_heads),
+                                decay_rank=scaled(kda.decay_rank)),
+        mla=dataclasses.replace(mla, num_heads=scaled(mla.num_heads),
+                                q_lora_rank=scaled(mla.q_lora_rank),
+                                kv_lora_rank=scaled(mla.kv_lora_rank)),
+        moe=dataclasses.replace(moe, latent_dim=scaled(moe.latent_dim),
+                                expert_intermediate=scaled(moe.expert_intermediate)))
+
+
+def widths_side_by_side(threads: int, widths: list[int], steps: int = 4,
+                        passes: int = 3) -> None:
+    """The demo's eager train_step with the model at other hidden sizes, on the same `steps`
+    prefetched global batches in one process, the widths alternated on each batch and their
+    order reversed every pass: how much of the step is per-operator cost that does not grow
+    with the arithmetic (the operators a step dispatches hardly depend on the width)."""
+    import time
+
+    import torch
+
+    from train.flops import training_flops_per_token, vision_training_flops
+
+    peaks = [matmul_peak(threads)]
+    with _loop_on_prefetched_batches(threads, steps) as loop:
+        runs, flops, params = {}, {}, {}
+        for width in widths:
+            cfg = dataclasses.replace(loop.cfg, model=_widened(loop.cfg.model, width))
+            torch.manual_seed(cfg.seed)
+            model, _, runs[width] = _train_step_of(cfg)
+            params[width] = sum(p.numel() for p in model.parameters())
+            text = training_flops_per_token(cfg.model, cfg.stage.seq_len) * (
+                cfg.stage.global_batch_size * cfg.stage.seq_len)
+            flops[width] = [text + vision_training_flops(cfg.model, micro_batches)
+                            for micro_batches in loop.global_batches]
+            for micro_batches in loop.global_batches:  # warm-up
+                runs[width](micro_batches)
+        times = {width: [] for width in widths}
+        for p in range(passes):
+            for micro_batches in loop.global_batches:
+                for width in widths if p % 2 == 0 else widths[::-1]:
+                    start = time.perf_counter()
+                    runs[width](micro_batches)
+                    times[width].append(time.perf_counter() - start)
+    peaks.append(matmul_peak(threads))
+    peak = max(peaks)
+    print(f"eager train_step of the demo's model at other widths, {threads} threads, {passes} "
+          f"passes x {steps} global batches; matmul probe {peaks[0] / 1e9:.1f} / "
+          f"{peaks[1] / 1e9:.1f} GFLOP/s (MFU uses the best)")
+    print(f"{'hidden':>6} {'params':>11} {'GFLOP/step':>11} {'median [s]':>11} {'fastest':>8} "
+          f"{'MFU':>6} {'MFU best':>9}")
+    for width in widths:
+        mfu, best = _mfu(flops[width] * passes, times[width], peak)
+        print(f"{width:>6} {params[width]:>11,} {statistics.median(flops[width]) / 1e9:>11.2f} "
+              f"{statistics.median(times[width]):>11.3f} {min(times[width]):>8.3f} {mfu:>6.1%} "
+              f"{best:>9.1%}")
+
+
 def first_fused_step(threads: int) -> None:
     """This process's first train_step with fused kernels in the fast setting (the global batch
     as one micro-batch), after an eager one: its time, the next step's, and the graphs dynamo
@@ -386,6 +469,9 @@ def main() -> None:
     parser.add_argument("--settings", action="store_true",
                         help="only compare eager/fused kernels and micro-batch sizes in one "
                              "process")
+    parser.add_argument("--widths", type=int, nargs="+", metavar="HIDDEN",
+                        help="only time the eager step with the model at these hidden sizes "
+                             "(the demo's is 64), in one process")
     parser.add_argument("--compile-cost", action="store_true",
                         help="only measure the fused kernels' compile, cold and warm")
     parser.add_argument("--first-fused-step", action="store_true", help=argparse.SUPPRESS)
@@ -395,6 +481,9 @@ def main() -> None:
         return
     if args.compile_cost:
         compile_cost(args.threads)
+        return
+    if args.widths:
+        widths_side_by_side(args.threads, args.widths)
         return
     if args.settings:
         settings_side_by_side(args.threads)
