@@ -32,6 +32,7 @@ from .precision.plan import PrecisionPlan
 from .run_log import Eta
 from .schedule import lr_at
 from .signals import EXIT_DONE, EXIT_PREEMPTED, PreemptionFlag
+from .startup_checks import check_kernel_compiler
 from .step_stats import moe_stats, peak_memory_gb
 from .validation import Validator
 
@@ -154,6 +155,7 @@ def train(cfg: TrainConfig) -> int:
     """Runs (or resumes) the configured training; returns the process exit code."""
     env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_train_config(cfg, env.world_size)
+    check_kernel_compiler(cfg, env.device)
     topology = init_topology(cfg.parallel, env, cfg.model)
     seed_everything(cfg.seed, cfg.deterministic)
     run_dir = Path(cfg.run_dir)

@@ -123,3 +123,24 @@ def check_no_secret_overrides(argv: list[str]) -> None:
         if "=" in arg and key.startswith("slurm.env."):
             _refuse_secret(key[len("slurm.env."):])
 
+
+
+def check_kernel_compiler(cfg, device) -> None:
+    """fused_kernels=true and compile=true build C++ kernels on CPU (inductor): without a
+    working compiler the first step would fail inside torch.compile, after the model was built
+    and the data prepared."""
+    wanted = [name for name in ("fused_kernels", "compile") if getattr(cfg, name)]
+    if device.type != "cpu" or not wanted:
+        return
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        tried = [c for c in inductor_config.cpp.cxx if c is not None]
+        raise ConfigError(
+            f"{' and '.join(f'{n}=true' for n in wanted)} on CPU needs a C++ compiler (inductor "
+            f"builds its kernels with it) and none of {tried} runs: install one (Debian: apt-get "
+            f"install g++), point CXX at it, or set {' '.join(f'{n}=false' for n in wanted)}"
+        ) from None
