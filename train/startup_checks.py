@@ -1,7 +1,8 @@
 """Start-up checks that need more than one field (or a file) to decide: the composed config's
 keys against the schema, the model's vocabulary and special-token ids against the data, the
-shape of list-valued fields, and secrets where they would be written down. Each failure is a
-ConfigError naming the field, the value and what would be valid."""
+shape of list-valued fields, secrets where they would be written down, and the C++ compiler
+that compiled kernels need on CPU. Each failure is a ConfigError naming the field, the value and
+what would be valid."""
 
 from __future__ import annotations
 
@@ -122,7 +123,6 @@ def check_no_secret_overrides(argv: list[str]) -> None:
         key = arg.split("=", 1)[0].lstrip("+~")
         if "=" in arg and key.startswith("slurm.env."):
             _refuse_secret(key[len("slurm.env."):])
-
 
 
 def check_kernel_compiler(cfg, device) -> None:
