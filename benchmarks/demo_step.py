@@ -103,11 +103,12 @@ def _demo_config(data_dir: str | None = None):
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, output_dir=data_dir))
 
 
-def text_flops_per_step() -> float:
-    """Model FLOPs of one demo step's text (this checkout's count, as the loop's MFU uses)."""
+def text_flops_per_step(cfg=None) -> float:
+    """Model FLOPs of one step's text (this checkout's count, as the loop's MFU uses) for `cfg`
+    (default the demo's)."""
     from train.flops import training_flops_per_token
 
-    cfg = _demo_config()
+    cfg = cfg or _demo_config()
     tokens = cfg.stage.global_batch_size * cfg.stage.seq_len
     return training_flops_per_token(cfg.model, cfg.stage.seq_len) * tokens
 
@@ -372,7 +373,7 @@ def widths_side_by_side(threads: int, widths: list[int], steps: int = 4,
 
     import torch
 
-    from train.flops import training_flops_per_token, vision_training_flops
+    from train.flops import vision_training_flops
 
     peaks = [matmul_peak(threads)]
     with _loop_on_prefetched_batches(threads, steps) as loop:
@@ -382,8 +383,7 @@ def widths_side_by_side(threads: int, widths: list[int], steps: int = 4,
             torch.manual_seed(cfg.seed)
             model, _, runs[width] = _train_step_of(cfg)
             params[width] = sum(p.numel() for p in model.parameters())
-            text = training_flops_per_token(cfg.model, cfg.stage.seq_len) * (
-                cfg.stage.global_batch_size * cfg.stage.seq_len)
+            text = text_flops_per_step(cfg)
             flops[width] = [text + vision_training_flops(cfg.model, micro_batches)
                             for micro_batches in loop.global_batches]
             for micro_batches in loop.global_batches:  # warm-up
