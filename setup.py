@@ -8,7 +8,8 @@ setup(
     packages=find_packages(include=["model*", "parallel*", "train*", "data_pipeline*", "slurm*",
                                     "configs*"]),
     include_package_data=True,
-    package_data={"configs": ["**/*.yaml"], "data_pipeline": ["sample/**/*"]},
+    package_data={"configs": ["**/*.yaml"], "data_pipeline": ["sample/**/*"],
+                  "model": ["ops/*.c"]},
     install_requires=[
         "torch>=2.6",
         "numpy",

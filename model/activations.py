@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from .ops import native
 from .ops.fused import fusable
 
 
@@ -25,19 +26,24 @@ def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 
 class _SiTUGLU(torch.autograd.Function):
     """Saves only gate and up (in their own dtype; the dense MLP's are two views of one Linear
     output) and recomputes the tanh and sigmoid in backward: the plain form keeps five or six
-    fp32 tensors of the activation's size for autograd."""
+    fp32 tensors of the activation's size for autograd. fp32 on CPU runs the native kernels
+    (model/ops/native.py), the rest the torch forms below."""
 
     @staticmethod
     def forward(ctx, gate, up, beta_gate, beta_up):
         ctx.save_for_backward(gate, up)
         ctx.betas = beta_gate, beta_up
-        # The reference's ops in its order: unfused, the forward is bitwise the same.
-        return _situ_glu_forward(gate, up, beta_gate, beta_up)
+        out = native.situ_glu_forward(gate, up, beta_gate, beta_up)
+        # Else the reference's ops in its order: unfused, the forward is bitwise the same.
+        return out if out is not None else _situ_glu_forward(gate, up, beta_gate, beta_up)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        return *_situ_glu_backward(gate, up, grad_out, *ctx.betas), None, None
+        grads = native.situ_glu_backward(gate, up, grad_out, *ctx.betas)
+        if grads is None:
+            grads = _situ_glu_backward(gate, up, grad_out, *ctx.betas)
+        return *grads, None, None
 
 
 _situ_glu_forward = fusable(situ_glu_reference, dynamic="rows")

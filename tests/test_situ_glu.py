@@ -5,6 +5,7 @@ import torch
 
 from model.activations import situ_glu, situ_glu_reference, swiglu
 from model.mlp import SiTUGLUMLP
+from model.ops import native
 from tests.tolerances import assert_close_rms
 from train.saved_activations import SavedBytes
 
@@ -86,9 +87,17 @@ def _activation_inputs(dtype):
     return gate.to(dtype), up.to(dtype), grad_out.to(dtype)
 
 
+@pytest.fixture
+def torch_forms():
+    """The autograd function's torch forms: fp32 on CPU would take the native kernels, which
+    tests/test_native_kernels.py holds to the reference."""
+    with native.native_kernels(False):
+        yield
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
 @pytest.mark.parametrize("betas", [{}, {"beta_gate": 2.0, "beta_up": 3.0}])
-def test_fused_matches_reference_forward_and_backward(dtype, tol, betas):
+def test_fused_matches_reference_forward_and_backward(dtype, tol, betas, torch_forms):
     gate, up, grad_out = _activation_inputs(dtype)
     fused = _forward_backward(situ_glu, gate, up, grad_out, **betas)
     reference = _forward_backward(situ_glu_reference, gate, up, grad_out, **betas)
@@ -98,7 +107,7 @@ def test_fused_matches_reference_forward_and_backward(dtype, tol, betas):
         assert_close_rms(ref, x, tol, f"{dtype} {betas}: {name}")
 
 
-def test_fused_bf16_inputs_compute_in_fp32():
+def test_fused_bf16_inputs_compute_in_fp32(torch_forms):
     gate, up, grad_out = _activation_inputs(torch.bfloat16)
     fused = _forward_backward(situ_glu, gate, up, grad_out)
     in_fp32 = _forward_backward(situ_glu, gate.float(), up.float(), grad_out.float())

@@ -1,0 +1,138 @@
+"""C kernels for the element-wise chains of fp32 CPU training, on by default.
+
+Eager torch makes one pass over memory per operator, and at small widths its per-operator cost
+is most of a CPU step (benchmarks/RESULTS.md: the demo's step by model width). These chains are
+one loop each in `native_kernels.c`, plain C without torch headers: the system C compiler builds
+it into a temporary directory the first time a process needs it (a fraction of a second, unlike
+inductor's compile of `fused_kernels`), and ctypes calls it with the GIL released. Where it
+cannot run (no compiler, other dtypes or devices, tensor subclasses such as DTensor, tracing by
+torch.compile) the callers use their torch forms; `K3_NATIVE_KERNELS=0` turns them off. The
+plain references stay the definition: tests/test_native_kernels.py holds these to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("native_kernels.c")
+# -march=native: the library is built by and for this process's machine, never shared.
+# -fno-math-errno lets the vectoriser call libmvec's expf/tanhf; no -ffast-math (NaN and inf
+# behave as in torch).
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+_enabled = os.environ.get("K3_NATIVE_KERNELS", "1") != "0"
+
+_F32_P = ctypes.POINTER(ctypes.c_float)
+_SIGNATURES = {
+    "situ_glu_forward": [_F32_P] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2
+                        + [ctypes.c_int],
+    "situ_glu_backward": [_F32_P] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
+                         + [ctypes.c_int],
+}
+
+
+@contextlib.contextmanager
+def native_kernels(enabled: bool):
+    """Native kernels on or off inside the block (tests of the other forms)."""
+    global _enabled
+    before, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def available() -> bool:
+    """Whether this process has the native kernels (building them on first call)."""
+    return _enabled and _library() is not None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        return _unavailable(f"no C compiler {compiler!r} (set CC or install gcc)")
+    with tempfile.TemporaryDirectory(prefix="k3-native-") as tmp:
+        built = Path(tmp) / "k3_native_kernels.so"
+        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            return _unavailable(f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}")
+        lib = ctypes.CDLL(str(built))  # mapped: the file can go with the directory
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _unavailable(why: str) -> None:
+    warnings.warn(f"native CPU kernels unavailable, using torch ops: {why}", stacklevel=3)
+    return None
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    return (_enabled and not torch.compiler.is_compiling()
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+                    and t.dtype == torch.float32 and t.dim() >= 1 for t in tensors)
+            and _library() is not None)
+
+
+def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """t as [rows, width] with contiguous rows (a view) and the rows' stride, or None."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        return None
+    try:
+        rows = t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dims that do not merge into one stride
+        return None
+    return rows, rows.stride(0)
+
+
+def _ptr(t: torch.Tensor):
+    return ctypes.cast(t.data_ptr(), _F32_P)
+
+
+def situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, beta_gate: float,
+                     beta_up: float) -> torch.Tensor | None:
+    """situ_glu_reference(gate, up, ...) for fp32 CPU tensors of one shape; None where the
+    native kernel does not apply."""
+    if gate.shape != up.shape or not _usable(gate, up):
+        return None
+    g, u = _as_rows(gate), _as_rows(up)
+    if g is None or u is None:
+        return None
+    (g, g_stride), (u, u_stride) = g, u
+    out = torch.empty(gate.shape, dtype=torch.float32)
+    _library().situ_glu_forward(_ptr(g), _ptr(u), _ptr(out), g.shape[0], g.shape[1], g_stride,
+                                u_stride, beta_gate, beta_up, torch.get_num_threads())
+    return out
+
+
+def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor,
+                      beta_gate: float, beta_up: float
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gradients of gate and up (model/activations.py _situ_glu_backward); None where the
+    native kernel does not apply."""
+    if not (gate.shape == up.shape == grad_out.shape) or not _usable(gate, up, grad_out):
+        return None
+    g, u, d = _as_rows(gate), _as_rows(up), _as_rows(grad_out)
+    if d is None:  # e.g. the expanded gradient of a sum
+        d = _as_rows(grad_out.contiguous())
+    if g is None or u is None:
+        return None
+    (g, g_stride), (u, u_stride), (d, d_stride) = g, u, d
+    grad_gate = torch.empty(gate.shape, dtype=torch.float32)
+    grad_up = torch.empty(up.shape, dtype=torch.float32)
+    _library().situ_glu_backward(_ptr(g), _ptr(u), _ptr(d), _ptr(grad_gate), _ptr(grad_up),
+                                 g.shape[0], g.shape[1], g_stride, u_stride, d_stride,
+                                 beta_gate, beta_up, torch.get_num_threads())
+    return grad_gate, grad_up
