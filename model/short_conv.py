@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import native
 from .ops.fused import fusable
 
 
@@ -63,16 +64,21 @@ def doc_causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor,
 
 
 class _DocCausalConv1dSiLU(torch.autograd.Function):
-    """Saves x, the weight and the document ids and recomputes the convolution in backward."""
+    """Saves x, the weight and the document ids and recomputes the convolution in backward.
+    fp32 on CPU runs the native kernels (model/ops/native.py), the rest the torch forms."""
 
     @staticmethod
     def forward(ctx, x, weight, segments):
         ctx.save_for_backward(x, weight, segments)
-        return _conv_silu_forward(x, weight, segments)
+        out = native.conv_silu_forward(x, weight, segments)
+        return out if out is not None else _conv_silu_forward(x, weight, segments)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return *_conv_silu_backward(*ctx.saved_tensors, grad_out), None
+        grads = native.conv_silu_backward(*ctx.saved_tensors, grad_out)
+        if grads is None:
+            grads = _conv_silu_backward(*ctx.saved_tensors, grad_out)
+        return *grads, None
 
 
 _conv_silu_forward = fusable(doc_causal_conv1d_silu_reference)

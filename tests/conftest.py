@@ -11,6 +11,16 @@ torch.set_num_threads(int(os.environ.get("K3_TEST_THREADS", "1")))
 def _seed():
     torch.manual_seed(0)
 
+
+@pytest.fixture
+def torch_forms():
+    """The autograd functions' torch forms: fp32 on CPU would take the native kernels, which
+    tests/test_native_kernels.py holds to the references."""
+    from model.ops import native
+
+    with native.native_kernels(False):
+        yield
+
 pytest_plugins = ["tests.slurm_fixtures"]
 
 

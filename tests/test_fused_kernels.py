@@ -8,7 +8,7 @@ import torch
 from model.activations import situ_glu, situ_glu_reference
 from model.attnres import depth_mix, depth_mix_reference
 from model.norms import rms_norm, rms_norm_reference
-from model.ops import fused, native
+from model.ops import fused
 from model.ops.kda import kda_chunk, kda_recurrent
 from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
 from tests.test_kda_ops import BOUND, assert_all_close, cotangents_for, make_inputs, run
@@ -16,11 +16,10 @@ from tests.tolerances import assert_close_rms, rel_rms
 
 
 @pytest.fixture
-def fused_kernels():
-    """Compiled kernels on, the native ones off (they would take SiTU-GLU's fp32 CPU calls)."""
+def fused_kernels(torch_forms):
+    """Compiled kernels on, the native ones off (they would take the fp32 CPU calls)."""
     fused.enable_fused_kernels(True)
-    with native.native_kernels(False):
-        yield
+    yield
     fused.enable_fused_kernels(False)
 
 

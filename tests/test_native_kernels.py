@@ -9,6 +9,7 @@ import torch
 
 from model.activations import situ_glu, situ_glu_reference
 from model.ops import native
+from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
 from tests.tolerances import assert_close_rms
 
 
@@ -20,24 +21,24 @@ def _values() -> torch.Tensor:
                                     float("nan"), 0.0, -0.0, 1e-30, 1e-40])])
 
 
-def _situ_glu_with_grads(gate, up, cotangent):
-    gate, up = (t.detach().clone().requires_grad_() for t in (gate, up))
-    out = situ_glu(gate, up)
+def _with_grads(fn, inputs, cotangent):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
     out.backward(cotangent)
-    return out, gate.grad, up.grad
+    return out, *(t.grad for t in leaves)
 
 
-def _assert_like_torch(gate, up, what):
-    """The native results against the torch forms (the reference's forward, its recomputing
+def _assert_like_torch(fn, inputs, what):
+    """fn's native results against its torch forms (the reference's forward, the recomputing
     backward) on the same inputs: non-finite values in the same places, the rest within 1e-6
     relative RMS, as the compiled kernels are held."""
-    assert native.situ_glu_forward(gate, up, 4.0, 25.0) is not None, f"{what}: not native"
     torch.manual_seed(0)
-    cotangent = torch.randn(gate.shape)
-    got = _situ_glu_with_grads(gate, up, cotangent)
+    cotangent = torch.randn(fn(*inputs).shape)
+    got = _with_grads(fn, inputs, cotangent)
     with native.native_kernels(False):
-        expected = _situ_glu_with_grads(gate, up, cotangent)
-    for name, ref, x in zip(("out", "d gate", "d up"), expected, got, strict=True):
+        expected = _with_grads(fn, inputs, cotangent)
+    names = ["out", *(f"d input {i}" for i in range(len(inputs)))]
+    for name, ref, x in zip(names, expected, got, strict=True):
         finite = torch.isfinite(ref)
         assert torch.equal(finite, torch.isfinite(x)), f"{what}: {name} non-finite elsewhere"
         assert torch.equal(ref.isnan(), x.isnan()), f"{what}: {name} NaN elsewhere"
@@ -49,33 +50,68 @@ def test_the_kernels_build_on_this_machine():
     assert native.available()
 
 
+def _assert_situ_glu_like_torch(gate, up, what):
+    assert native.situ_glu_forward(gate, up, 4.0, 25.0) is not None, f"{what}: not native"
+    _assert_like_torch(situ_glu, (gate, up), f"SiTU-GLU {what}")
+
+
 def test_situ_glu_matches_the_reference_on_every_layout():
     torch.manual_seed(0)
     gate, up = torch.randn(2, 4096, 64) * 4
-    _assert_like_torch(gate, up, "contiguous [4096, 64]")
+    _assert_situ_glu_like_torch(gate, up, "contiguous [4096, 64]")
     fused = torch.randn(3, 100, 2 * 48) * 8  # the MLP's [gate | up] projection: strided halves
-    _assert_like_torch(*fused.chunk(2, dim=-1), "halves of [3, 100, 96]")
-    _assert_like_torch(*torch.randn(2, 37) * 3, "one dim")
+    _assert_situ_glu_like_torch(*fused.chunk(2, dim=-1), "halves of [3, 100, 96]")
+    _assert_situ_glu_like_torch(*torch.randn(2, 37) * 3, "one dim")
     grid = _values()
     gate, up = (t.contiguous() for t in torch.meshgrid(grid, grid, indexing="ij"))
-    _assert_like_torch(gate, up, "grid with extremes, inf and NaN")
+    _assert_situ_glu_like_torch(gate, up, "grid with extremes, inf and NaN")
     assert situ_glu(gate, up)[torch.isfinite(gate) & torch.isfinite(up)].abs().max() <= 100.0
 
 
-def test_situ_glu_results_do_not_depend_on_the_thread_count():
+def _documents(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+                        for row in lengths])
+
+
+def _assert_conv_like_torch(x, weight, segments, what):
+    assert native.conv_silu_forward(x, weight, segments) is not None, f"{what}: not native"
+    _assert_like_torch(lambda x, w: doc_causal_conv1d_silu(x, w, segments), (x, weight),
+                       f"short conv {what}")
+
+
+def test_short_conv_matches_the_reference_at_document_boundaries():
+    torch.manual_seed(0)
+    x, weight = torch.randn(4, 512, 64) * 3, torch.randn(64, 4) / 2
+    # Documents of 1, 2 and 3 tokens (shorter than the kernel), a row of one document.
+    lengths = [[1, 2, 3, 506], [300, 212], [77, 223, 212], [512]]
+    _assert_conv_like_torch(x, weight, _documents(lengths), "the demo's shape")
+    _assert_conv_like_torch(x, weight, None, "one document per row")
+    _assert_conv_like_torch(x[:, :2].contiguous(), weight, None, "rows shorter than the kernel")
+    x = torch.randn(2, 40, 24)
+    x[0, 9, 3], x[0, 20, 5], x[1, 30, 7] = float("inf"), float("nan"), -float("inf")
+    _assert_conv_like_torch(x, torch.randn(24, 4), _documents([[10, 30], [31, 9]]),
+                            "inf and NaN, one just before a document starts")
+
+
+def test_results_do_not_depend_on_the_thread_count():
     torch.manual_seed(0)
     gate, up = torch.randn(2, 512, 256) * 4  # above the kernels' parallel grain
-    cotangent = torch.randn(512, 256)
+    x, weight = torch.randn(4, 512, 64), torch.randn(64, 4)
+    segments = _documents([[100, 412], [512], [3, 509], [256, 256]])
+    cases = [(situ_glu, (gate, up), torch.randn(512, 256)),
+             (lambda x, w: doc_causal_conv1d_silu(x, w, segments), (x, weight),
+              torch.randn(4, 512, 64))]  # the weight's gradient sums over 2048 rows
     threads = torch.get_num_threads()
     try:
-        runs = []
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            runs.append(_situ_glu_with_grads(gate, up, cotangent))
+        for fn, inputs, cotangent in cases:
+            runs = []
+            for n in (1, 3):
+                torch.set_num_threads(n)
+                runs.append(_with_grads(fn, inputs, cotangent))
+            for one, many in zip(*runs, strict=True):
+                assert torch.equal(one, many)
     finally:
         torch.set_num_threads(threads)
-    for one, many in zip(*runs, strict=True):
-        assert torch.equal(one, many)
 
 
 class _Subclass(torch.Tensor):
@@ -93,6 +129,16 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
         assert native.situ_glu_forward(g, u, 4.0, 25.0) is None, what
     g, u = cases["every other column"]
     assert torch.equal(situ_glu(g, u), situ_glu_reference(g, u))
+    x, weight, segments = torch.randn(2, 16, 8), torch.randn(8, 4), _documents([[6, 10], [16]])
+    conv_cases = {"bf16": (x.bfloat16(), weight, segments),
+                  "x not contiguous": (x.transpose(0, 1), weight, segments[:, :2].T),
+                  "int32 ids": (x, weight, segments.int()), "weight rows != channels":
+                  (x, weight[:4], segments)}
+    for what, (xx, w, seg) in conv_cases.items():
+        assert native.conv_silu_forward(xx, w, seg) is None, what
+    xx, w, seg = conv_cases["int32 ids"]
+    assert torch.equal(doc_causal_conv1d_silu(xx, w, seg),
+                       doc_causal_conv1d_silu_reference(xx, w, seg))
     with native.native_kernels(False):
         assert not native.available()
         assert native.situ_glu_forward(gate, up, 4.0, 25.0) is None

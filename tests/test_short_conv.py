@@ -53,7 +53,7 @@ def _forward_backward(fn, x, weight, segments, grad_out):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
 @pytest.mark.parametrize("with_segments", [True, False])
-def test_fused_matches_reference_forward_and_backward(dtype, tol, with_segments):
+def test_fused_matches_reference_forward_and_backward(dtype, tol, with_segments, torch_forms):
     x, weight, grad_out = _inputs(dtype, dtype)
     segments = _segments() if with_segments else None
     fused = _forward_backward(doc_causal_conv1d_silu, x, weight, segments, grad_out)
@@ -65,7 +65,7 @@ def test_fused_matches_reference_forward_and_backward(dtype, tol, with_segments)
         assert_close_rms(ref, out, tol, f"{dtype}, segments {with_segments}: {name}")
 
 
-def test_fused_bf16_input_rounds_its_fp32_gradient_once():
+def test_fused_bf16_input_rounds_its_fp32_gradient_once(torch_forms):
     """bf16 x (an autocast Linear's output) and an fp32 weight: computed in fp32. The reference
     rounds each of x's K gradient terms to bf16 before summing them, the fused form rounds the
     fp32 sum once, so its x gradient is the closer one to the float64 truth."""
@@ -85,7 +85,7 @@ def test_fused_bf16_input_rounds_its_fp32_gradient_once():
     assert rel_rms(exact[1], fused[1]) <= 2**-8  # bf16 unit round-off: one rounding
 
 
-def test_module_with_a_halo_takes_the_fused_path_after_the_halo():
+def test_module_with_a_halo_takes_the_fused_path_after_the_halo(torch_forms):
     conv = ShortConv(CHANNELS, KERNEL)
     x, _, grad_out = _inputs(torch.float32, torch.float32)
     segments = _segments()

@@ -5,7 +5,6 @@ import torch
 
 from model.activations import situ_glu, situ_glu_reference, swiglu
 from model.mlp import SiTUGLUMLP
-from model.ops import native
 from tests.tolerances import assert_close_rms
 from train.saved_activations import SavedBytes
 
@@ -85,14 +84,6 @@ def _activation_inputs(dtype):
     up = torch.randn(64, 96, dtype=torch.float64, generator=gen) * 30
     grad_out = torch.randn(64, 96, dtype=torch.float64, generator=gen)
     return gate.to(dtype), up.to(dtype), grad_out.to(dtype)
-
-
-@pytest.fixture
-def torch_forms():
-    """The autograd function's torch forms: fp32 on CPU would take the native kernels, which
-    tests/test_native_kernels.py holds to the reference."""
-    with native.native_kernels(False):
-        yield
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])

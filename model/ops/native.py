@@ -32,12 +32,19 @@ _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fP
 _enabled = os.environ.get("K3_NATIVE_KERNELS", "1") != "0"
 
 _F32_P = ctypes.POINTER(ctypes.c_float)
+_I64_P = ctypes.POINTER(ctypes.c_int64)
 _SIGNATURES = {
     "situ_glu_forward": [_F32_P] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2
                         + [ctypes.c_int],
     "situ_glu_backward": [_F32_P] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
                          + [ctypes.c_int],
+    "conv_silu_forward": [_F32_P, _F32_P, _I64_P, _F32_P] + [ctypes.c_int64] * 4
+                         + [ctypes.c_int],
+    "conv_silu_backward": [_F32_P, _F32_P, _I64_P] + [_F32_P] * 5 + [ctypes.c_int64] * 5
+                          + [ctypes.c_int],
 }
+# Rows per block of the convolution weight's gradient sum (see native_kernels.c).
+_CONV_BLOCK_ROWS = 64
 
 
 @contextlib.contextmanager
@@ -136,3 +143,52 @@ def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tens
                                  g.shape[0], g.shape[1], g_stride, u_stride, d_stride,
                                  beta_gate, beta_up, torch.get_num_threads())
     return grad_gate, grad_up
+
+
+def _conv_operands(x, weight, segments):
+    """(taps [K, C], segments pointer) where the native convolution applies, else None."""
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
+        return None
+    if not x.is_contiguous() or not _usable(x, weight):
+        return None
+    if segments is None:
+        return weight.t().contiguous(), None, None
+    if segments.dtype != torch.int64 or segments.shape != x.shape[:2] or segments.is_cuda:
+        return None
+    segments = segments.contiguous()
+    return weight.t().contiguous(), segments, ctypes.cast(segments.data_ptr(), _I64_P)
+
+
+def conv_silu_forward(x: torch.Tensor, weight: torch.Tensor,
+                      segments: torch.Tensor | None) -> torch.Tensor | None:
+    """doc_causal_conv1d_silu_reference(x, weight, segments) (model/short_conv.py) for a
+    contiguous fp32 CPU x [B, T, C]; None where the native kernel does not apply."""
+    operands = _conv_operands(x, weight, segments)
+    if operands is None:
+        return None
+    taps, _, seg_ptr = operands  # the contiguous ids stay referenced through the call
+    out = torch.empty_like(x)
+    B, T, C = x.shape
+    _library().conv_silu_forward(_ptr(x), _ptr(taps), seg_ptr, _ptr(out), B, T, C,
+                                 taps.shape[0], torch.get_num_threads())
+    return out
+
+
+def conv_silu_backward(x: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor | None,
+                       grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gradients of x and the weight (model/short_conv.py _conv_silu_backward); None where
+    the native kernel does not apply."""
+    operands = _conv_operands(x, weight, segments)
+    if operands is None or grad_out.shape != x.shape or not _usable(grad_out):
+        return None
+    taps, _, seg_ptr = operands
+    grad_out = grad_out.contiguous()
+    B, T, C = x.shape
+    K = taps.shape[0]
+    blocks = -(-B * T // _CONV_BLOCK_ROWS)
+    grad_pre, grad_x = torch.empty_like(x), torch.empty_like(x)
+    partials, grad_taps = torch.empty(blocks, K, C), torch.empty(K, C)
+    _library().conv_silu_backward(_ptr(x), _ptr(taps), seg_ptr, _ptr(grad_out), _ptr(grad_pre),
+                                  _ptr(grad_x), _ptr(partials), _ptr(grad_taps), B, T, C, K,
+                                  _CONV_BLOCK_ROWS, torch.get_num_threads())
+    return grad_x, grad_taps.t().contiguous()

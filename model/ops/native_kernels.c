@@ -61,3 +61,97 @@ void situ_glu_backward(const float *gate, const float *up, const float *grad_out
     }
   }
 }
+
+/* The short convolution + SiLU (model/short_conv.py): x [B, T, C] contiguous, taps [K, C] (the
+ * weight [C, K] transposed: taps[K - 1 - s] multiplies the input s positions back), segments
+ * [B, T] document ids or NULL (one document per row). pre[t] = sum over s of
+ * taps[K - 1 - s] x[t - s], a term counted only where t - s is in t's document, accumulated
+ * shift by shift as the reference does. */
+static inline int same_document(const int64_t *segments, int64_t t, int64_t s) {
+  return segments == 0 || segments[t] == segments[t - s];
+}
+
+static void conv_row(const float *x, const float *taps, const int64_t *segments, float *pre,
+                     int64_t t, int64_t C, int64_t K) {
+  const float *last = taps + (K - 1) * C, *xt = x + t * C;
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) pre[c] = xt[c] * last[c];
+  for (int64_t s = 1; s < K && s <= t; ++s) {
+    float mask = same_document(segments, t, s) ? 1.0f : 0.0f;
+    const float *tap = taps + (K - 1 - s) * C, *earlier = x + (t - s) * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) pre[c] += earlier[c] * tap[c] * mask;
+  }
+}
+
+void conv_silu_forward(const float *x, const float *taps, const int64_t *segments, float *out,
+                       int64_t B, int64_t T, int64_t C, int64_t K, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (B * T * C >= PARALLEL_GRAIN)
+  for (int64_t row = 0; row < B * T; ++row) {
+    int64_t b = row / T, t = row % T;
+    float *o = out + row * C;
+    conv_row(x + b * T * C, taps, segments ? segments + b * T : 0, o, t, C, K);
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) o[c] = o[c] / (1.0f + expf(-o[c]));
+  }
+}
+
+/* Its gradients, recomputing the convolution. grad_pre [B, T, C] is scratch; the weight's
+ * gradient is summed per block of `block_rows` rows into partials [blocks, K, C] and then over
+ * the blocks in order into grad_taps [K, C]: the same bits at any thread count. */
+void conv_silu_backward(const float *x, const float *taps, const int64_t *segments,
+                        const float *grad_out, float *grad_pre, float *grad_x, float *partials,
+                        float *grad_taps, int64_t B, int64_t T, int64_t C, int64_t K,
+                        int64_t block_rows, int threads) {
+  int64_t rows = B * T, blocks = (rows + block_rows - 1) / block_rows;
+  int parallel = rows * C >= PARALLEL_GRAIN;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t b = row / T, t = row % T;
+    float *gp = grad_pre + row * C;
+    const float *d = grad_out + row * C;
+    conv_row(x + b * T * C, taps, segments ? segments + b * T : 0, gp, t, C, K);
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) { /* silu'(pre) = sigmoid (1 + pre (1 - sigmoid)) */
+      float sig = 1.0f / (1.0f + expf(-gp[c]));
+      gp[c] = d[c] * sig * (1.0f + gp[c] * (1.0f - sig));
+    }
+  }
+  /* x[t] fed y[t + s]: its gradient gathers those, shift by shift as the reference adds them. */
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t b = row / T, t = row % T;
+    const int64_t *seg = segments ? segments + b * T : 0;
+    const float *gp_b = grad_pre + b * T * C, *last = taps + (K - 1) * C;
+    float *gx = grad_x + row * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) gx[c] = gp_b[t * C + c] * last[c];
+    for (int64_t s = 1; s < K && t + s < T; ++s) {
+      float mask = same_document(seg, t + s, s) ? 1.0f : 0.0f;
+      const float *tap = taps + (K - 1 - s) * C, *later = gp_b + (t + s) * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) gx[c] += later[c] * mask * tap[c];
+    }
+  }
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t block = 0; block < blocks; ++block) {
+    float *acc = partials + block * K * C;
+    for (int64_t i = 0; i < K * C; ++i) acc[i] = 0.0f;
+    int64_t end = (block + 1) * block_rows < rows ? (block + 1) * block_rows : rows;
+    for (int64_t row = block * block_rows; row < end; ++row) {
+      int64_t b = row / T, t = row % T;
+      const int64_t *seg = segments ? segments + b * T : 0;
+      const float *gp = grad_pre + row * C, *xb = x + b * T * C;
+      for (int64_t s = 0; s < K && s <= t; ++s) {
+        float mask = same_document(seg, t, s) ? 1.0f : 0.0f;
+        const float *earlier = xb + (t - s) * C;
+        float *a = acc + (K - 1 - s) * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) a[c] += gp[c] * mask * earlier[c];
+      }
+    }
+  }
+  for (int64_t i = 0; i < K * C; ++i) grad_taps[i] = 0.0f;
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t i = 0; i < K * C; ++i) grad_taps[i] += partials[block * K * C + i];
+}
