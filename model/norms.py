@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from .dtypes import upcast
+from .ops import native
 from .ops.fused import fusable
 
 
@@ -23,15 +24,17 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = _rms_norm_forward(x, weight, eps)
+        # fp32 on CPU: the native kernels (model/ops/native.py); the rest: the torch forms.
+        y, rstd = native.rms_norm_forward(x, weight, eps) or _rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = _rms_norm_backward(x, weight, rstd, grad_out,
-                                                 weight is not None and ctx.needs_input_grad[1])
+        need_weight = weight is not None and ctx.needs_input_grad[1]
+        grad_x, grad_weight = (native.rms_norm_backward(x, weight, rstd, grad_out, need_weight)
+                               or _rms_norm_backward(x, weight, rstd, grad_out, need_weight))
         return grad_x, grad_weight, None
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model.activations import situ_glu, situ_glu_reference
+from model.norms import rms_norm
 from model.ops import native
 from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
 from tests.tolerances import assert_close_rms
@@ -93,6 +94,26 @@ def test_short_conv_matches_the_reference_at_document_boundaries():
                             "inf and NaN, one just before a document starts")
 
 
+def _assert_norm_like_torch(x, weight, what):
+    assert native.rms_norm_forward(x, weight, 1e-5) is not None, f"{what}: not native"
+    inputs = (x,) if weight is None else (x, weight)
+    _assert_like_torch(lambda x, w=None: rms_norm(x, w, 1e-5), inputs, f"RMSNorm {what}")
+
+
+def test_rms_norm_matches_the_reference_on_every_layout():
+    torch.manual_seed(0)
+    weight = 1 + 0.1 * torch.randn(64)
+    x = torch.randn(4, 512, 64) * torch.logspace(-3, 2, 512)[:, None]  # eps matters for some
+    _assert_norm_like_torch(x, weight, "the demo's shape, rows from 1e-3 to 1e2")
+    _assert_norm_like_torch(torch.randn(4096, 2, 32) * 3, 1 + 0.1 * torch.randn(32),
+                            "KDA's head-wise norm")
+    _assert_norm_like_torch(torch.randn(300, 48), None, "without a weight")
+    _assert_norm_like_torch(x[..., :48], weight[:48], "the first 48 columns of wider rows")
+    x = torch.randn(6, 40)
+    x[1, 3], x[4, 0] = float("inf"), float("nan")
+    _assert_norm_like_torch(x, torch.rand(40) + 0.5, "a row with inf, one with NaN")
+
+
 def test_results_do_not_depend_on_the_thread_count():
     torch.manual_seed(0)
     gate, up = torch.randn(2, 512, 256) * 4  # above the kernels' parallel grain
@@ -100,7 +121,9 @@ def test_results_do_not_depend_on_the_thread_count():
     segments = _documents([[100, 412], [512], [3, 509], [256, 256]])
     cases = [(situ_glu, (gate, up), torch.randn(512, 256)),
              (lambda x, w: doc_causal_conv1d_silu(x, w, segments), (x, weight),
-              torch.randn(4, 512, 64))]  # the weight's gradient sums over 2048 rows
+              torch.randn(4, 512, 64)),  # the weight's gradient sums over 2048 rows
+             (lambda x, w: rms_norm(x, w, 1e-5), (x, torch.rand(64) + 0.5),
+              torch.randn(4, 512, 64))]
     threads = torch.get_num_threads()
     try:
         for fn, inputs, cotangent in cases:
@@ -136,6 +159,12 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
                   (x, weight[:4], segments)}
     for what, (xx, w, seg) in conv_cases.items():
         assert native.conv_silu_forward(xx, w, seg) is None, what
+    for what, (xx, w) in {"bf16 x": (x.bfloat16(), torch.ones(8)),
+                          "weight of another width": (x, torch.ones(4)),
+                          "weight not contiguous": (x, torch.ones(8, 2)[:, 0]),
+                          "every other column": (x[..., ::2], torch.ones(4))}.items():
+        assert native.rms_norm_forward(xx, w, 1e-5) is None, what
+    assert native.rms_norm_forward(x, torch.ones(8), 1e-5) is not None
     xx, w, seg = conv_cases["int32 ids"]
     assert torch.equal(doc_causal_conv1d_silu(xx, w, seg),
                        doc_causal_conv1d_silu_reference(xx, w, seg))

@@ -46,11 +46,11 @@ def _compare(x_dtype, weight_dtype, with_weight, tol):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
 @pytest.mark.parametrize("with_weight", [True, False])
-def test_fused_matches_reference_forward_and_backward(dtype, tol, with_weight):
+def test_fused_matches_reference_forward_and_backward(dtype, tol, with_weight, torch_forms):
     _compare(dtype, dtype, with_weight, tol)
 
 
-def test_fused_bf16_input_computes_in_fp32_with_an_fp32_weight():
+def test_fused_bf16_input_computes_in_fp32_with_an_fp32_weight(torch_forms):
     fused = _compare(torch.bfloat16, torch.float32, True, 1e-6)
     assert fused[2].dtype == torch.float32
     x, weight, grad_out = _norm_inputs(torch.bfloat16, torch.float32)
@@ -59,7 +59,7 @@ def test_fused_bf16_input_computes_in_fp32_with_an_fp32_weight():
         assert torch.equal(out, fp32.to(out.dtype)), name  # fp32 math, rounded once
 
 
-def test_module_under_bf16_autocast_matches_reference():
+def test_module_under_bf16_autocast_matches_reference(torch_forms):
     norm = RMSNorm(64, EPS)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)

@@ -42,9 +42,11 @@ _SIGNATURES = {
                          + [ctypes.c_int],
     "conv_silu_backward": [_F32_P, _F32_P, _I64_P] + [_F32_P] * 5 + [ctypes.c_int64] * 5
                           + [ctypes.c_int],
+    "rms_norm_forward": [_F32_P] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int],
+    "rms_norm_backward": [_F32_P] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_int],
 }
-# Rows per block of the convolution weight's gradient sum (see native_kernels.c).
-_CONV_BLOCK_ROWS = 64
+# Rows per block of a weight gradient's sum over rows (see native_kernels.c).
+_BLOCK_ROWS = 64
 
 
 @contextlib.contextmanager
@@ -185,10 +187,64 @@ def conv_silu_backward(x: torch.Tensor, weight: torch.Tensor, segments: torch.Te
     grad_out = grad_out.contiguous()
     B, T, C = x.shape
     K = taps.shape[0]
-    blocks = -(-B * T // _CONV_BLOCK_ROWS)
+    blocks = -(-B * T // _BLOCK_ROWS)
     grad_pre, grad_x = torch.empty_like(x), torch.empty_like(x)
     partials, grad_taps = torch.empty(blocks, K, C), torch.empty(K, C)
     _library().conv_silu_backward(_ptr(x), _ptr(taps), seg_ptr, _ptr(grad_out), _ptr(grad_pre),
                                   _ptr(grad_x), _ptr(partials), _ptr(grad_taps), B, T, C, K,
-                                  _CONV_BLOCK_ROWS, torch.get_num_threads())
+                                  _BLOCK_ROWS, torch.get_num_threads())
     return grad_x, grad_taps.t().contiguous()
+
+
+def _optional_ptr(t: torch.Tensor | None):
+    return None if t is None else _ptr(t)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(y, 1 / rms [..., 1]) of model/norms.py's _rms_norm_forward for fp32 CPU x and weight;
+    None where the native kernel does not apply."""
+    tensors = (x,) if weight is None else (x, weight)
+    if not _usable(*tensors) or (weight is not None and (
+            weight.shape != x.shape[-1:] or not weight.is_contiguous())):
+        return None
+    rows = _as_rows(x)
+    if rows is None:
+        return None
+    rows, stride = rows
+    y = torch.empty(x.shape, dtype=torch.float32)
+    rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
+    _library().rms_norm_forward(_ptr(rows), _optional_ptr(weight), _ptr(y), _ptr(rstd),
+                                rows.shape[0], rows.shape[1], stride, eps,
+                                torch.get_num_threads())
+    return y, rstd
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+                      grad_out: torch.Tensor, need_weight: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(grad_x, grad_weight or None) of model/norms.py's _rms_norm_backward; None where the
+    native kernel does not apply."""
+    tensors = (x, rstd, grad_out) if weight is None else (x, weight, rstd, grad_out)
+    if (grad_out.shape != x.shape or rstd.shape != (*x.shape[:-1], 1) or not rstd.is_contiguous()
+            or not _usable(*tensors)
+            or (weight is not None and (weight.shape != x.shape[-1:]
+                                        or not weight.is_contiguous()))):
+        return None
+    rows, grads = _as_rows(x), _as_rows(grad_out)
+    if grads is None:
+        grads = _as_rows(grad_out.contiguous())
+    if rows is None:
+        return None
+    (rows, x_stride), (grads, grad_stride) = rows, grads
+    n, width = rows.shape
+    grad_x = torch.empty(x.shape, dtype=torch.float32)
+    grad_weight = partials = None
+    if weight is not None and need_weight:
+        grad_weight = torch.empty(width, dtype=torch.float32)
+        partials = torch.empty(-(-n // _BLOCK_ROWS), width, dtype=torch.float32)
+    _library().rms_norm_backward(_ptr(rows), _optional_ptr(weight), _ptr(rstd), _ptr(grads),
+                                 _ptr(grad_x), _optional_ptr(partials),
+                                 _optional_ptr(grad_weight), n, width, x_stride, grad_stride,
+                                 _BLOCK_ROWS, torch.get_num_threads())
+    return grad_x, grad_weight

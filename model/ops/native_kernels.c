@@ -12,6 +12,7 @@
 
 float expf(float) __attribute__((simd("notinbranch"), const, nothrow));
 float tanhf(float) __attribute__((simd("notinbranch"), const, nothrow));
+float sqrtf(float) __attribute__((const, nothrow));
 
 /* Below this many elements a second thread costs more to wake than it saves (ATen's grain). */
 #define PARALLEL_GRAIN 32768
@@ -154,4 +155,66 @@ void conv_silu_backward(const float *x, const float *taps, const int64_t *segmen
   for (int64_t i = 0; i < K * C; ++i) grad_taps[i] = 0.0f;
   for (int64_t block = 0; block < blocks; ++block)
     for (int64_t i = 0; i < K * C; ++i) grad_taps[i] += partials[block * K * C + i];
+}
+
+/* RMSNorm (model/norms.py): x rows of `width` floats `x_stride` apart, weight [width] or NULL;
+ * y [rows, width] = x rstd weight and rstd [rows] = 1 / sqrt(mean(x^2) + eps). */
+void rms_norm_forward(const float *x, const float *weight, float *y, float *rstd, int64_t rows,
+                      int64_t width, int64_t x_stride, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (rows * width >= PARALLEL_GRAIN)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *xr = x + r * x_stride;
+    float *yr = y + r * width, squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < width; ++i) squares += xr[i] * xr[i];
+    float inv = 1.0f / sqrtf(squares / (float)width + eps);
+    rstd[r] = inv;
+    if (weight) {
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) yr[i] = xr[i] * inv * weight[i];
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) yr[i] = xr[i] * inv;
+    }
+  }
+}
+
+/* Its gradients: grad_x = rstd (g - x_hat mean(g x_hat)) with g = grad_out weight and
+ * x_hat = x rstd; the weight's gradient sum(grad_out x_hat) over the rows is summed per block of
+ * `block_rows` rows into partials [blocks, width] and then over the blocks in order (NULL
+ * grad_weight: not needed). */
+void rms_norm_backward(const float *x, const float *weight, const float *rstd,
+                       const float *grad_out, float *grad_x, float *partials, float *grad_weight,
+                       int64_t rows, int64_t width, int64_t x_stride, int64_t grad_stride,
+                       int64_t block_rows, int threads) {
+  int parallel = rows * width >= PARALLEL_GRAIN;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *xr = x + r * x_stride, *d = grad_out + r * grad_stride;
+    float *gx = grad_x + r * width, inv = rstd[r], dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < width; ++i) dot += d[i] * (weight ? weight[i] : 1.0f) * (xr[i] * inv);
+    dot /= (float)width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i)
+      gx[i] = inv * (d[i] * (weight ? weight[i] : 1.0f) - xr[i] * inv * dot);
+  }
+  if (!grad_weight) return;
+  int64_t blocks = (rows + block_rows - 1) / block_rows;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t block = 0; block < blocks; ++block) {
+    float *acc = partials + block * width;
+    for (int64_t i = 0; i < width; ++i) acc[i] = 0.0f;
+    int64_t end = (block + 1) * block_rows < rows ? (block + 1) * block_rows : rows;
+    for (int64_t r = block * block_rows; r < end; ++r) {
+      const float *xr = x + r * x_stride, *d = grad_out + r * grad_stride;
+      float inv = rstd[r];
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) acc[i] += d[i] * (xr[i] * inv);
+    }
+  }
+  for (int64_t i = 0; i < width; ++i) grad_weight[i] = 0.0f;
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t i = 0; i < width; ++i) grad_weight[i] += partials[block * width + i];
 }
