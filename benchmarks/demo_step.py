@@ -19,11 +19,12 @@ checkout's `train_step` into the model's forwards, the optimizer step and the re
 clipping, balancers), on the same prefetched batches, with `--fused` for eager and compiled
 kernels alternated in that one process (the side-by-side figure: separate runs differ by up to
 20% on a shared machine); `--ops` counts the operators one `train_step` dispatches, by caller
-(a figure that does not move with the machine's load); `--settings` runs eager and fused
-kernels, with the demo's micro-batches and with the whole global batch as one, back to back on
-the same batches in one process; `--compile-cost` times the first fused step with an empty and
-with a warm inductor cache, in two fresh processes; `--widths 64 128 256` times the eager step
-with the model at those hidden sizes (heads, low ranks and MLPs scaled with it) in one process.
+(a figure that does not move with the machine's load); `--settings` runs torch ops, the
+native kernels and native + fused kernels, with the demo's micro-batches and with the whole
+global batch as one, back to back on the same batches in one process; `--compile-cost` times
+the first fused step with an empty and with a warm inductor cache, in two fresh processes;
+`--widths 64 128 256` times the eager step with the model at those hidden sizes (heads, low
+ranks and MLPs scaled with it) in one process.
 """
 
 from __future__ import annotations
@@ -291,15 +292,33 @@ def phase_times(threads: int, steps: int = 4, passes: int = 3, fused: bool = Fal
               f"({eager / compiled:.2f}x)")
 
 
+# The kernels a setting runs: torch ops only, the native CPU kernels (the default), and those
+# with the compiled kernels of fused_kernels=true for the rest.
+_KERNELS = {"torch": (False, False), "native": (True, False), "native+fused": (True, True)}
+
+
+@contextlib.contextmanager
+def _kernels(name: str):
+    from model.ops.fused import enable_fused_kernels
+    from model.ops.native import native_kernels
+
+    use_native, fused = _KERNELS[name]
+    enable_fused_kernels(fused)
+    try:
+        with native_kernels(use_native):
+            yield
+    finally:
+        enable_fused_kernels(False)
+
+
 def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None:
-    """Eager and fused kernels (fused_kernels), the demo's micro-batches and the whole global
-    batch as one micro-batch, on the same `steps` prefetched global batches in one process:
-    all four settings run back to back on each batch, their order reversed every pass (the
-    machine's drift between separate runs is larger than these differences), with MFU
-    against the best matmul probe before and after."""
+    """Torch ops, native and native + fused kernels (model/ops/native.py, fused_kernels), with
+    the demo's micro-batches and with the whole global batch as one micro-batch, on the same
+    `steps` prefetched global batches in one process: all six settings run back to back on each
+    batch, their order reversed every pass (the machine's drift between separate runs is larger
+    than these differences), with MFU against the best matmul probe before and after."""
     import time
 
-    from model.ops.fused import enable_fused_kernels
     from train.flops import vision_training_flops
 
     peaks = [matmul_peak(threads)]
@@ -307,20 +326,19 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
         whole = loop.cfg.stage.global_batch_size
         batches = {loop.cfg.stage.micro_batch_size: loop.global_batches}
         batches.setdefault(whole, loop.prefetch(whole))
-        settings = [(fused, size) for fused in (False, True) for size in batches]
-        for fused, size in settings:  # warm-up; compiles the fused kernels
-            enable_fused_kernels(fused)
-            for micro_batches in batches[size]:
-                loop.run(micro_batches)
+        settings = [(kernels, size) for kernels in _KERNELS for size in batches]
+        for kernels, size in settings:  # warm-up; compiles the fused kernels
+            with _kernels(kernels):
+                for micro_batches in batches[size]:
+                    loop.run(micro_batches)
         times = {setting: [] for setting in settings}
         for p in range(passes):
             for i in range(steps):
-                for fused, size in settings if p % 2 == 0 else settings[::-1]:
-                    enable_fused_kernels(fused)
-                    start = time.perf_counter()
-                    loop.run(batches[size][i])
-                    times[fused, size].append(time.perf_counter() - start)
-        enable_fused_kernels(False)
+                for kernels, size in settings if p % 2 == 0 else settings[::-1]:
+                    with _kernels(kernels):
+                        start = time.perf_counter()
+                        loop.run(batches[size][i])
+                        times[kernels, size].append(time.perf_counter() - start)
         text = text_flops_per_step()  # and MoonViT's on each step's images:
         flops = [text + vision_training_flops(loop.cfg.model, micro_batches)
                  for micro_batches in loop.global_batches]
@@ -329,14 +347,14 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
     print(f"train_step settings side by side, {threads} threads, {passes} passes x {steps} global "
           f"batches; matmul probe {peaks[0] / 1e9:.1f} / {peaks[1] / 1e9:.1f} GFLOP/s (MFU uses "
           f"the best); model FLOPs per step " + ", ".join(f"{f / 1e9:.2f}" for f in flops) + " G")
-    print(f"{'kernels':<8} {'micro-batch':>11} {'median [s]':>11} {'fastest':>8} {'MFU':>6} "
+    print(f"{'kernels':<13} {'micro-batch':>11} {'median [s]':>11} {'fastest':>8} {'MFU':>6} "
           f"{'MFU best':>9} {'vs first':>9}")
     first = statistics.median(times[settings[0]])
-    for (fused, size), values in times.items():
+    for (kernels, size), values in times.items():
         median = statistics.median(values)
         mfu, best = _mfu(flops * passes, values, peak)
-        print(f"{'fused' if fused else 'eager':<8} {f'{size} rows':>11} {median:>11.3f} "
-              f"{min(values):>8.3f} {mfu:>6.1%} {best:>9.1%} {first / median:>8.2f}x")
+        print(f"{kernels:<13} {f'{size} rows':>11} {median:>11.3f} {min(values):>8.3f} "
+              f"{mfu:>6.1%} {best:>9.1%} {first / median:>8.2f}x")
 
 
 def _widened(model, width: int):
@@ -467,8 +485,8 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true",
                         help="only count the operators one train_step dispatches")
     parser.add_argument("--settings", action="store_true",
-                        help="only compare eager/fused kernels and micro-batch sizes in one "
-                             "process")
+                        help="only compare torch/native/fused kernels and micro-batch sizes "
+                             "in one process")
     parser.add_argument("--widths", type=int, nargs="+", metavar="HIDDEN",
                         help="only time the eager step with the model at these hidden sizes "
                              "(the demo's is 64), in one process")
