@@ -13,6 +13,7 @@ from torch import nn
 
 from .dtypes import upcast
 from .norms import rms_norm_reference
+from .ops import native
 from .ops.fused import fusable
 
 
@@ -34,17 +35,24 @@ class _DepthMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, norm_weight, eps, *sources):
-        values = torch.stack([upcast(s) for s in sources])
-        mixed, weights, rstd = _depth_mix_forward(values, query, norm_weight, eps)
+        # fp32 on CPU: the native kernels (model/ops/native.py), which read the sources in
+        # place; the rest: the torch forms on the stacked values.
+        out = native.depth_mix_forward(sources, query, norm_weight, eps)
+        if out is None:
+            values = torch.stack([upcast(s) for s in sources])
+            out = _depth_mix_forward(values, query, norm_weight, eps)
+        mixed, weights, rstd = out
         ctx.save_for_backward(query, norm_weight, weights, rstd, *sources)
         return mixed.to(sources[-1].dtype)
 
     @staticmethod
     def backward(ctx, grad):
         query, norm_weight, weights, rstd, *sources = ctx.saved_tensors
-        values = torch.stack([upcast(s) for s in sources])
-        dvalues, dquery, dweight = _depth_mix_backward(values, query, norm_weight, weights, rstd,
-                                                       grad)
+        grads = native.depth_mix_backward(sources, query, norm_weight, weights, rstd, grad)
+        if grads is None:
+            values = torch.stack([upcast(s) for s in sources])
+            grads = _depth_mix_backward(values, query, norm_weight, weights, rstd, grad)
+        dvalues, dquery, dweight = grads
         return (dquery.to(query.dtype), dweight.to(norm_weight.dtype), None,
                 *(d.to(s.dtype) for d, s in zip(dvalues.unbind(0), sources)))
 

@@ -64,7 +64,7 @@ def _mix_and_grads(fn, sources, query, weight, grad_out, param_dtype):
 
 @pytest.mark.parametrize("num_sources", [1, 2, 9])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
-def test_depth_mix_matches_reference(num_sources, dtype, tol):
+def test_depth_mix_matches_reference(num_sources, dtype, tol, torch_forms):
     inputs = _mix_inputs(num_sources, dtype)
     fast = _mix_and_grads(depth_mix, *inputs, dtype)
     reference = _mix_and_grads(depth_mix_reference, *inputs, dtype)
@@ -76,7 +76,7 @@ def test_depth_mix_matches_reference(num_sources, dtype, tol):
         assert_close_rms(ref, got, tol, f"{dtype}: {name}")
 
 
-def test_depth_mix_of_bf16_sources_computes_in_fp32():
+def test_depth_mix_of_bf16_sources_computes_in_fp32(torch_forms):
     """bf16 sources, fp32 parameters: the fp32 mix of the same values, rounded once."""
     sources, query, weight, grad_out = _mix_inputs(9, torch.bfloat16)
     fast = _mix_and_grads(depth_mix, sources, query, weight, grad_out, torch.float32)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from model.activations import situ_glu, situ_glu_reference
+from model.attnres import depth_mix, depth_mix_reference
 from model.norms import rms_norm
 from model.ops import native
 from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
-from tests.tolerances import assert_close_rms
+from tests.tolerances import assert_close_rms, rel_rms
 
 
 def _values() -> torch.Tensor:
@@ -114,6 +115,42 @@ def test_rms_norm_matches_the_reference_on_every_layout():
     _assert_norm_like_torch(x, torch.rand(40) + 0.5, "a row with inf, one with NaN")
 
 
+def test_depth_mix_is_as_exact_as_the_reference():
+    """Within 1e-6 of the float64 result, or twice the fp32 torch forms' own error where that
+    is larger (the norm weight's and the query's gradients sum with cancellation)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 512, 64) * 3
+    query, weight = torch.randn(64), 1 + 0.1 * torch.randn(64)
+    for n in (2, 3, 5):
+        sources = [x.roll(i, dims=1) * (i + 1) for i in range(n)]
+        inputs = (*sources, query, weight)
+
+        def mix(*a):
+            return depth_mix(list(a[:-2]), a[-2], a[-1], 1e-5)
+
+        assert native.depth_mix_forward(sources, query, weight, 1e-5) is not None
+        cotangent = torch.randn(4, 512, 64)
+        truth = _with_grads(lambda *a: depth_mix_reference(list(a[:-2]), a[-2], a[-1], 1e-5),
+                            [t.double() for t in inputs], cotangent.double())
+        got = _with_grads(mix, inputs, cotangent)
+        with native.native_kernels(False):
+            plain = _with_grads(mix, inputs, cotangent)
+        for i, (exact, ref, mine) in enumerate(zip(truth, plain, got, strict=True)):
+            tol = max(1e-6, 2 * rel_rms(exact, ref))
+            assert_close_rms(exact, mine, tol, f"depth mix of {n}: result {i}")
+
+
+def test_depth_mix_propagates_nan_like_the_torch_forms():
+    sources = [torch.randn(6, 32) for _ in range(3)]
+    sources[1][2, 5] = float("nan")
+    query, weight = torch.randn(32), torch.rand(32) + 0.5
+    got = depth_mix(sources, query, weight, 1e-5)
+    with native.native_kernels(False):
+        expected = depth_mix(sources, query, weight, 1e-5)
+    assert torch.equal(got.isnan(), expected.isnan()) and got.isnan()[2].all()
+    assert_close_rms(expected[~expected.isnan()], got[~got.isnan()], 1e-6, "finite rows")
+
+
 def test_results_do_not_depend_on_the_thread_count():
     torch.manual_seed(0)
     gate, up = torch.randn(2, 512, 256) * 4  # above the kernels' parallel grain
@@ -123,7 +160,9 @@ def test_results_do_not_depend_on_the_thread_count():
              (lambda x, w: doc_causal_conv1d_silu(x, w, segments), (x, weight),
               torch.randn(4, 512, 64)),  # the weight's gradient sums over 2048 rows
              (lambda x, w: rms_norm(x, w, 1e-5), (x, torch.rand(64) + 0.5),
-              torch.randn(4, 512, 64))]
+              torch.randn(4, 512, 64)),
+             (lambda a, b, q: depth_mix([a, b], q, torch.ones(64), 1e-5),
+              (x, x.flip(1), torch.randn(64)), torch.randn(4, 512, 64))]
     threads = torch.get_num_threads()
     try:
         for fn, inputs, cotangent in cases:

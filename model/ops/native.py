@@ -44,6 +44,11 @@ _SIGNATURES = {
                           + [ctypes.c_int],
     "rms_norm_forward": [_F32_P] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int],
     "rms_norm_backward": [_F32_P] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_int],
+    "depth_mix_forward": [ctypes.POINTER(_F32_P), _I64_P, ctypes.c_int64] + [_F32_P] * 5
+                         + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int],
+    "depth_mix_backward": [ctypes.POINTER(_F32_P), _I64_P, ctypes.c_int64] + [_F32_P] * 5
+                          + [ctypes.c_int64] + [_F32_P] * 4 + [ctypes.c_int64] * 3
+                          + [ctypes.c_int],
 }
 # Rows per block of a weight gradient's sum over rows (see native_kernels.c).
 _BLOCK_ROWS = 64
@@ -248,3 +253,68 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.
                                  _optional_ptr(grad_weight), n, width, x_stride, grad_stride,
                                  _BLOCK_ROWS, torch.get_num_threads())
     return grad_x, grad_weight
+
+
+def _source_rows(sources, query, norm_weight):
+    """(rows views, pointer array, stride array) of the depth mix's sources where the native
+    kernel applies (fp32 CPU, one shape, contiguous rows; query and norm weight [width]), else
+    None."""
+    shape = sources[0].shape
+    width = shape[-1]
+    if (any(s.shape != shape for s in sources) or query.shape != (width,)
+            or norm_weight.shape != (width,) or not query.is_contiguous()
+            or not norm_weight.is_contiguous() or not _usable(*sources, query, norm_weight)):
+        return None
+    views = [_as_rows(s) for s in sources]
+    if any(v is None for v in views):
+        return None
+    pointers = (_F32_P * len(views))(*(_ptr(v) for v, _ in views))
+    strides = (ctypes.c_int64 * len(views))(*(stride for _, stride in views))
+    return [v for v, _ in views], pointers, strides
+
+
+def depth_mix_forward(sources: list[torch.Tensor], query: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(mixed [..., d], weights [n, ...], 1 / rms [n, ..., 1]) of model/attnres.py's
+    _depth_mix_forward, reading the sources in place (no stacked copy); None where the native
+    kernel does not apply."""
+    operands = _source_rows(sources, query, norm_weight)
+    if operands is None:
+        return None
+    views, pointers, strides = operands
+    lead, n = sources[0].shape[:-1], len(sources)
+    rows, width = views[0].shape
+    mixed = torch.empty(sources[0].shape, dtype=torch.float32)
+    weights = torch.empty(n, *lead, dtype=torch.float32)
+    rstd = torch.empty(n, *lead, 1, dtype=torch.float32)
+    _library().depth_mix_forward(pointers, strides, n, _ptr(query), _ptr(norm_weight),
+                                 _ptr(mixed), _ptr(weights), _ptr(rstd), rows, width, eps,
+                                 torch.get_num_threads())
+    return mixed, weights, rstd
+
+
+def depth_mix_backward(sources: list[torch.Tensor], query: torch.Tensor,
+                       norm_weight: torch.Tensor, weights: torch.Tensor, rstd: torch.Tensor,
+                       grad: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(dvalues [n, ..., d], dquery, dnorm_weight) of model/attnres.py's _depth_mix_backward;
+    None where the native kernel does not apply."""
+    operands = _source_rows(sources, query, norm_weight)
+    n = len(sources)
+    if (operands is None or grad.shape != sources[0].shape or not _usable(grad, weights, rstd)
+            or weights.shape != (n, *grad.shape[:-1]) or not weights.is_contiguous()
+            or rstd.shape != (*weights.shape, 1) or not rstd.is_contiguous()):
+        return None
+    views, pointers, strides = operands
+    grads = _as_rows(grad) or _as_rows(grad.contiguous())
+    rows, width = views[0].shape
+    dvalues = torch.empty(n, *sources[0].shape, dtype=torch.float32)
+    coef = torch.empty(n, rows, dtype=torch.float32)
+    partials = torch.empty(-(-rows // _BLOCK_ROWS), width, dtype=torch.float32)
+    du = torch.empty(width, dtype=torch.float32)
+    _library().depth_mix_backward(pointers, strides, n, _ptr(query), _ptr(norm_weight),
+                                  _ptr(weights), _ptr(rstd), _ptr(grads[0]), grads[1],
+                                  _ptr(dvalues), _ptr(coef), _ptr(partials), _ptr(du), rows,
+                                  width, _BLOCK_ROWS, torch.get_num_threads())
+    return dvalues, du * norm_weight, du * query

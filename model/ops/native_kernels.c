@@ -218,3 +218,100 @@ void rms_norm_backward(const float *x, const float *weight, const float *rstd,
   for (int64_t block = 0; block < blocks; ++block)
     for (int64_t i = 0; i < width; ++i) grad_weight[i] += partials[block * width + i];
 }
+
+/* The AttnRes depth mix (model/attnres.py): n sources of `rows` rows of `width` floats, source j
+ * at sources[j] with rows strides[j] apart. Per row: rstd_j = 1 / rms of source j, logits
+ * x_j rstd_j norm_weight . query, their softmax over the sources, mixed = sum_j w_j x_j.
+ * weights and rstd are [n, rows]. */
+void depth_mix_forward(const float **sources, const int64_t *strides, int64_t n,
+                       const float *query, const float *norm_weight, float *mixed,
+                       float *weights, float *rstd, int64_t rows, int64_t width, float eps,
+                       int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (n * rows * width >= PARALLEL_GRAIN)
+  for (int64_t r = 0; r < rows; ++r) {
+    float logits[n], top = -__builtin_inff(), total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float *x = sources[j] + r * strides[j];
+      float squares = 0.0f, logit = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < width; ++i) squares += x[i] * x[i];
+      float inv = 1.0f / sqrtf(squares / (float)width + eps);
+#pragma omp simd reduction(+ : logit)
+      for (int64_t i = 0; i < width; ++i) logit += x[i] * inv * norm_weight[i] * query[i];
+      rstd[j * rows + r] = inv;
+      logits[j] = logit;
+      top = logit > top ? logit : top;
+    }
+    for (int64_t j = 0; j < n; ++j) total += logits[j] = expf(logits[j] - top);
+    float *out = mixed + r * width;
+    for (int64_t j = 0; j < n; ++j) {
+      float w = logits[j] / total;
+      const float *x = sources[j] + r * strides[j];
+      weights[j * rows + r] = w;
+      if (j == 0) {
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) out[i] = w * x[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) out[i] += w * x[i];
+      }
+    }
+  }
+}
+
+/* Its gradients (model/attnres.py _depth_mix_backward): with u = norm_weight query and
+ * x_hat_j = x_j rstd_j, dw_j = x_j . grad, dlogit_j = w_j (dw_j - sum_k w_k dw_k) and
+ * dvalues_j = w_j grad + rstd_j dlogit_j (u - x_hat_j (x_hat_j . u) / width) ([n, rows, width]);
+ * du = sum over sources and rows of rstd_j dlogit_j x_j, summed per block of `block_rows` rows
+ * into partials [blocks, width] and then over the blocks in order. coef [n, rows] is scratch. */
+void depth_mix_backward(const float **sources, const int64_t *strides, int64_t n,
+                        const float *query, const float *norm_weight, const float *weights,
+                        const float *rstd, const float *grad, int64_t grad_stride,
+                        float *dvalues, float *coef, float *partials, float *du, int64_t rows,
+                        int64_t width, int64_t block_rows, int threads) {
+  int parallel = n * rows * width >= PARALLEL_GRAIN;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *g = grad + r * grad_stride;
+    float dw[n], mean = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float *x = sources[j] + r * strides[j];
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < width; ++i) dot += x[i] * g[i];
+      dw[j] = dot;
+      mean += weights[j * rows + r] * dot;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float *x = sources[j] + r * strides[j];
+      float w = weights[j * rows + r], inv = rstd[j * rows + r], logit = 0.0f;
+      float dlogit = w * (dw[j] - mean);
+#pragma omp simd reduction(+ : logit)
+      for (int64_t i = 0; i < width; ++i) logit += x[i] * inv * (norm_weight[i] * query[i]);
+      float scale = logit / (float)width, c = inv * dlogit;
+      float *dv = dvalues + (j * rows + r) * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i)
+        dv[i] = w * g[i] + c * (norm_weight[i] * query[i] - x[i] * inv * scale);
+      coef[j * rows + r] = c;
+    }
+  }
+  int64_t blocks = (rows + block_rows - 1) / block_rows;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t block = 0; block < blocks; ++block) {
+    float *acc = partials + block * width;
+    for (int64_t i = 0; i < width; ++i) acc[i] = 0.0f;
+    int64_t end = (block + 1) * block_rows < rows ? (block + 1) * block_rows : rows;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t r = block * block_rows; r < end; ++r) {
+        const float *x = sources[j] + r * strides[j];
+        float c = coef[j * rows + r];
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) acc[i] += c * x[i];
+      }
+  }
+  for (int64_t i = 0; i < width; ++i) du[i] = 0.0f;
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t i = 0; i < width; ++i) du[i] += partials[block * width + i];
+}
