@@ -1,11 +1,13 @@
 """Element-wise kernels fused by torch.compile where the run asks for it (`fused_kernels=true`).
 
 In eager torch every element-wise op is one pass over memory: at k3_tiny's width the chains
-inside the model's autograd functions (SiTU-GLU, RMSNorm, the short convolution, the KDA
-intra-chunk work) are most of a CPU step, and their matmuls are not. Inductor turns each chain
-into one loop over the elements. The functions marked `fusable` are pure tensor code called
-under no_grad (from an autograd function's forward or backward), so inductor compiles inference
-graphs; the marked function itself is the eager form and what runs when fusion is off.
+inside the model's autograd functions (SiTU-GLU, RMSNorm, the short convolution, the depth mix,
+the KDA intra-chunk work) are most of a CPU step, and their matmuls are not. Inductor turns each
+chain into one loop over the elements; on fp32 CPU tensors the native kernels
+(model/ops/native.py) take the first four before these are reached. The functions marked
+`fusable` are pure tensor code called under no_grad (from an autograd function's forward or
+backward), so inductor compiles inference graphs; the marked function itself is the eager form
+and what runs when fusion is off.
 """
 
 from __future__ import annotations
