@@ -227,3 +227,20 @@ def test_without_a_compiler_the_torch_forms_run_after_one_warning(monkeypatch):
         monkeypatch.undo()
         native._library.cache_clear()
     assert native.available()
+
+
+def test_a_library_that_does_not_load_leaves_the_torch_forms(monkeypatch):
+    def refuse(path):
+        raise OSError(f"{path}: undefined symbol: _ZGVeN16v_tanhf")
+
+    monkeypatch.setattr(native.ctypes, "CDLL", refuse)
+    native._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="does not load.*undefined symbol"):
+            assert not native.available()
+        gate, up = torch.randn(2, 16, 8)
+        assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
+    assert native.available()

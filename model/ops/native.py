@@ -81,7 +81,10 @@ def _library() -> ctypes.CDLL | None:
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             return _unavailable(f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}")
-        lib = ctypes.CDLL(str(built))  # mapped: the file can go with the directory
+        try:  # e.g. a C library without glibc's vector math functions
+            lib = ctypes.CDLL(str(built))  # mapped: the file can go with the directory
+        except OSError as err:
+            return _unavailable(f"the built library does not load: {err}")
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
