@@ -19,6 +19,26 @@ float sqrtf(float) __attribute__((const, nothrow));
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/* Weight gradients are sums over all rows: each block of `block_rows` rows is summed in order
+ * into its own partial (blocks run in parallel), then the partials in block order, so the bits
+ * do not depend on the thread count. */
+static inline int64_t block_count(int64_t rows, int64_t block_rows) {
+  return (rows + block_rows - 1) / block_rows;
+}
+
+/* The first row of the next block, and the partial of this one zeroed. */
+static inline int64_t start_block(float *partial, int64_t size, int64_t block,
+                                  int64_t block_rows, int64_t rows) {
+  for (int64_t i = 0; i < size; ++i) partial[i] = 0.0f;
+  return (block + 1) * block_rows < rows ? (block + 1) * block_rows : rows;
+}
+
+static void sum_blocks(const float *partials, int64_t blocks, int64_t size, float *out) {
+  for (int64_t i = 0; i < size; ++i) out[i] = 0.0f;
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t i = 0; i < size; ++i) out[i] += partials[block * size + i];
+}
+
 /* SiTU-GLU: beta_g tanh(g / beta_g) * sigmoid(g) * beta_u tanh(u / beta_u). */
 void situ_glu_forward(const float *gate, const float *up, float *out, int64_t rows,
                       int64_t width, int64_t gate_stride, int64_t up_stride, float beta_gate,
@@ -104,7 +124,7 @@ void conv_silu_backward(const float *x, const float *taps, const int64_t *segmen
                         const float *grad_out, float *grad_pre, float *grad_x, float *partials,
                         float *grad_taps, int64_t B, int64_t T, int64_t C, int64_t K,
                         int64_t block_rows, int threads) {
-  int64_t rows = B * T, blocks = (rows + block_rows - 1) / block_rows;
+  int64_t rows = B * T, blocks = block_count(rows, block_rows);
   int parallel = rows * C >= PARALLEL_GRAIN;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t row = 0; row < rows; ++row) {
@@ -137,8 +157,7 @@ void conv_silu_backward(const float *x, const float *taps, const int64_t *segmen
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t block = 0; block < blocks; ++block) {
     float *acc = partials + block * K * C;
-    for (int64_t i = 0; i < K * C; ++i) acc[i] = 0.0f;
-    int64_t end = (block + 1) * block_rows < rows ? (block + 1) * block_rows : rows;
+    int64_t end = start_block(acc, K * C, block, block_rows, rows);
     for (int64_t row = block * block_rows; row < end; ++row) {
       int64_t b = row / T, t = row % T;
       const int64_t *seg = segments ? segments + b * T : 0;
@@ -152,9 +171,7 @@ void conv_silu_backward(const float *x, const float *taps, const int64_t *segmen
       }
     }
   }
-  for (int64_t i = 0; i < K * C; ++i) grad_taps[i] = 0.0f;
-  for (int64_t block = 0; block < blocks; ++block)
-    for (int64_t i = 0; i < K * C; ++i) grad_taps[i] += partials[block * K * C + i];
+  sum_blocks(partials, blocks, K * C, grad_taps);
 }
 
 /* RMSNorm (model/norms.py): x rows of `width` floats `x_stride` apart, weight [width] or NULL;
@@ -201,12 +218,11 @@ void rms_norm_backward(const float *x, const float *weight, const float *rstd,
       gx[i] = inv * (d[i] * (weight ? weight[i] : 1.0f) - xr[i] * inv * dot);
   }
   if (!grad_weight) return;
-  int64_t blocks = (rows + block_rows - 1) / block_rows;
+  int64_t blocks = block_count(rows, block_rows);
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t block = 0; block < blocks; ++block) {
     float *acc = partials + block * width;
-    for (int64_t i = 0; i < width; ++i) acc[i] = 0.0f;
-    int64_t end = (block + 1) * block_rows < rows ? (block + 1) * block_rows : rows;
+    int64_t end = start_block(acc, width, block, block_rows, rows);
     for (int64_t r = block * block_rows; r < end; ++r) {
       const float *xr = x + r * x_stride, *d = grad_out + r * grad_stride;
       float inv = rstd[r];
@@ -214,9 +230,7 @@ void rms_norm_backward(const float *x, const float *weight, const float *rstd,
       for (int64_t i = 0; i < width; ++i) acc[i] += d[i] * (xr[i] * inv);
     }
   }
-  for (int64_t i = 0; i < width; ++i) grad_weight[i] = 0.0f;
-  for (int64_t block = 0; block < blocks; ++block)
-    for (int64_t i = 0; i < width; ++i) grad_weight[i] += partials[block * width + i];
+  sum_blocks(partials, blocks, width, grad_weight);
 }
 
 /* The AttnRes depth mix (model/attnres.py): n sources of `rows` rows of `width` floats, source j
@@ -297,12 +311,11 @@ void depth_mix_backward(const float **sources, const int64_t *strides, int64_t n
       coef[j * rows + r] = c;
     }
   }
-  int64_t blocks = (rows + block_rows - 1) / block_rows;
+  int64_t blocks = block_count(rows, block_rows);
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t block = 0; block < blocks; ++block) {
     float *acc = partials + block * width;
-    for (int64_t i = 0; i < width; ++i) acc[i] = 0.0f;
-    int64_t end = (block + 1) * block_rows < rows ? (block + 1) * block_rows : rows;
+    int64_t end = start_block(acc, width, block, block_rows, rows);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t r = block * block_rows; r < end; ++r) {
         const float *x = sources[j] + r * strides[j];
@@ -311,7 +324,5 @@ void depth_mix_backward(const float **sources, const int64_t *strides, int64_t n
         for (int64_t i = 0; i < width; ++i) acc[i] += c * x[i];
       }
   }
-  for (int64_t i = 0; i < width; ++i) du[i] = 0.0f;
-  for (int64_t block = 0; block < blocks; ++block)
-    for (int64_t i = 0; i < width; ++i) du[i] += partials[block * width + i];
+  sum_blocks(partials, blocks, width, du);
 }
