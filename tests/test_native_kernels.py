@@ -244,3 +244,23 @@ def test_a_library_that_does_not_load_leaves_the_torch_forms(monkeypatch):
         monkeypatch.undo()
         native._library.cache_clear()
     assert native.available()
+
+
+def test_the_start_up_log_names_the_kernels_that_run():
+    from types import SimpleNamespace
+
+    from train.config import TrainConfig
+    from train.loop import kernels_in_use
+
+    cpu, fp32 = torch.device("cpu"), SimpleNamespace(dtype=None, fp64=False)
+    assert kernels_in_use(TrainConfig(), fp32, cpu) == "native CPU"
+    assert kernels_in_use(TrainConfig(fused_kernels=True, compile=True), fp32, cpu) == (
+        "native CPU + fused (compiled) + compiled sublayers")
+    bf16 = SimpleNamespace(dtype=torch.bfloat16, fp64=False)
+    assert kernels_in_use(TrainConfig(), bf16, cpu) == "torch ops"
+    assert kernels_in_use(TrainConfig(), SimpleNamespace(dtype=None, fp64=True), cpu) == (
+        "torch ops")
+    assert kernels_in_use(TrainConfig(fused_kernels=True), fp32, torch.device("cuda")) == (
+        "fused (compiled)")
+    with native.native_kernels(False):
+        assert kernels_in_use(TrainConfig(), fp32, cpu) == "torch ops"

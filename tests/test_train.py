@@ -31,8 +31,9 @@ pytestmark = pytest.mark.slow
 
 def test_short_run_learns_and_writes_everything(tmp_path, sample_data_dir):
     run = tmp_path / "run"
-    run_train(run, sample_data_dir, *FAST, "steps=30", "checkpoint.every=10",
-              "logging.plot=true", "optim.lr=5e-3")
+    out = run_train(run, sample_data_dir, *FAST, "steps=30", "checkpoint.every=10",
+                    "logging.plot=true", "optim.lr=5e-3")
+    assert "fp32, kernels: native CPU\n" in out.stdout + out.stderr
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 31))
     first = sum(r["loss"] for r in rows[:3]) / 3

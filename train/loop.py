@@ -17,6 +17,7 @@ from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
 from model.k3 import K3Model
 from model.moe import update_balancers
+from model.ops import native
 from parallel.apply import ParallelPlan, parallelize, shard_experts, shard_stages
 from parallel.topology import Topology
 
@@ -41,6 +42,20 @@ log = logging.getLogger("k3.train")
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+def kernels_in_use(cfg: TrainConfig, precision: PrecisionPlan, device: torch.device) -> str:
+    """What runs the element-wise work of the model's autograd functions (the start-up log):
+    the native kernels take fp32 CPU tensors only."""
+    parts = []
+    if (device.type == "cpu" and precision.dtype is None and not precision.fp64
+            and native.available()):
+        parts.append("native CPU")
+    if cfg.fused_kernels:
+        parts.append("fused (compiled)")
+    if cfg.compile:
+        parts.append("compiled sublayers")
+    return " + ".join(parts) or "torch ops"
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -200,9 +215,10 @@ def train(cfg: TrainConfig) -> int:
     exit_code = EXIT_DONE
     failed = True
     if env.is_main:
-        log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s",
-                 cfg.model.name, cfg.steps, dp_size, accum, cfg.stage.micro_batch_size,
-                 cfg.stage.seq_len, precision.describe())
+        log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s, "
+                 "kernels: %s", cfg.model.name, cfg.steps, dp_size, accum,
+                 cfg.stage.micro_batch_size, cfg.stage.seq_len, precision.describe(),
+                 kernels_in_use(cfg, precision, env.device))
         log.info("layout: %s", topology.describe())
     try:
         while step < cfg.steps:
