@@ -213,13 +213,14 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
         assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
 
 
-def test_without_a_compiler_the_torch_forms_run_after_one_warning(monkeypatch):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
+def _assert_torch_forms_after_one_warning(monkeypatch, match: str):
+    """With what monkeypatch broke, building the kernels warns once (`match`) and the torch
+    forms run; undone, the kernels build again."""
     native._library.cache_clear()
     try:
-        gate, up = torch.randn(2, 16, 8)
-        with pytest.warns(UserWarning, match="native CPU kernels unavailable.*/nonexistent/cc"):
+        with pytest.warns(UserWarning, match=match):
             assert not native.available()
+        gate, up = torch.randn(2, 16, 8)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once per process, not per call
             assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
@@ -229,21 +230,26 @@ def test_without_a_compiler_the_torch_forms_run_after_one_warning(monkeypatch):
     assert native.available()
 
 
+def test_without_a_compiler_the_torch_forms_run_after_one_warning(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    _assert_torch_forms_after_one_warning(monkeypatch,
+                                          "native CPU kernels unavailable.*/nonexistent/cc")
+
+
+def test_a_temporary_directory_that_cannot_be_made_leaves_the_torch_forms(monkeypatch):
+    def refuse(prefix):
+        raise PermissionError(f"[Errno 13] Permission denied: '/tmp/{prefix}x'")
+
+    monkeypatch.setattr(native.tempfile, "TemporaryDirectory", refuse)
+    _assert_torch_forms_after_one_warning(monkeypatch, "building them failed.*Permission denied")
+
+
 def test_a_library_that_does_not_load_leaves_the_torch_forms(monkeypatch):
     def refuse(path):
         raise OSError(f"{path}: undefined symbol: _ZGVeN16v_tanhf")
 
     monkeypatch.setattr(native.ctypes, "CDLL", refuse)
-    native._library.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="does not load.*undefined symbol"):
-            assert not native.available()
-        gate, up = torch.randn(2, 16, 8)
-        assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
-    finally:
-        monkeypatch.undo()
-        native._library.cache_clear()
-    assert native.available()
+    _assert_torch_forms_after_one_warning(monkeypatch, "does not load.*undefined symbol")
 
 
 def test_the_start_up_log_names_the_kernels_that_run():

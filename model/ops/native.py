@@ -75,16 +75,19 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         return _unavailable(f"no C compiler {compiler!r} (set CC or install gcc)")
-    with tempfile.TemporaryDirectory(prefix="k3-native-") as tmp:
-        built = Path(tmp) / "k3_native_kernels.so"
-        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            return _unavailable(f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}")
-        try:  # e.g. a C library without glibc's vector math functions
-            lib = ctypes.CDLL(str(built))  # mapped: the file can go with the directory
-        except OSError as err:
-            return _unavailable(f"the built library does not load: {err}")
+    try:  # a temporary directory that cannot be made, a compiler that cannot run
+        with tempfile.TemporaryDirectory(prefix="k3-native-") as tmp:
+            built = Path(tmp) / "k3_native_kernels.so"
+            cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                return _unavailable(f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}")
+            try:  # e.g. a C library without glibc's vector math functions
+                lib = ctypes.CDLL(str(built))  # mapped: the file can go with the directory
+            except OSError as err:
+                return _unavailable(f"the built library does not load: {err}")
+    except OSError as err:
+        return _unavailable(f"building them failed: {err}")
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
