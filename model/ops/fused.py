@@ -47,7 +47,7 @@ def compiled_kernels() -> list[str]:
     return list(_compiled)
 
 
-def _plain_tensors(args) -> bool:
+def plain_tensors(args) -> bool:
     """No tensor subclass among args: a DTensor (sequence parallelism hands the norms DTensors)
     shards each op in its own dispatch, which these kernels are not compiled or tested for."""
     return all(type(a) in (torch.Tensor, torch.nn.Parameter) for a in args
@@ -75,7 +75,7 @@ def fusable(fn=None, *, dynamic: str | None = None):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        if not _enabled or torch.compiler.is_compiling() or not _plain_tensors(args):
+        if not _enabled or torch.compiler.is_compiling() or not plain_tensors(args):
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, fullgraph=True)

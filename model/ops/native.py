@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .fused import plain_tensors
+
 _SOURCE = Path(__file__).with_name("native_kernels.c")
 # -march=native: the library is built by and for this process's machine, never shared.
 # -fno-math-errno lets the vectoriser call libmvec's expf/tanhf; no -ffast-math (NaN and inf
@@ -100,9 +102,9 @@ def _unavailable(why: str) -> None:
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    return (_enabled and not torch.compiler.is_compiling()
-            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
-                    and t.dtype == torch.float32 and t.dim() >= 1 for t in tensors)
+    return (_enabled and not torch.compiler.is_compiling() and plain_tensors(tensors)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() >= 1
+                    for t in tensors)
             and _library() is not None)
 
 
@@ -115,6 +117,12 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     except RuntimeError:  # leading dims that do not merge into one stride
         return None
     return rows, rows.stride(0)
+
+
+def _grad_rows(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """_as_rows of an incoming gradient, copied first where it has no such view (e.g. the
+    expanded gradient of a sum)."""
+    return _as_rows(grad) or _as_rows(grad.contiguous())
 
 
 def _ptr(t: torch.Tensor):
@@ -144,12 +152,10 @@ def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tens
     native kernel does not apply."""
     if not (gate.shape == up.shape == grad_out.shape) or not _usable(gate, up, grad_out):
         return None
-    g, u, d = _as_rows(gate), _as_rows(up), _as_rows(grad_out)
-    if d is None:  # e.g. the expanded gradient of a sum
-        d = _as_rows(grad_out.contiguous())
+    g, u = _as_rows(gate), _as_rows(up)
     if g is None or u is None:
         return None
-    (g, g_stride), (u, u_stride), (d, d_stride) = g, u, d
+    (g, g_stride), (u, u_stride), (d, d_stride) = g, u, _grad_rows(grad_out)
     grad_gate = torch.empty(gate.shape, dtype=torch.float32)
     grad_up = torch.empty(up.shape, dtype=torch.float32)
     _library().situ_glu_backward(_ptr(g), _ptr(u), _ptr(d), _ptr(grad_gate), _ptr(grad_up),
@@ -159,17 +165,22 @@ def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tens
 
 
 def _conv_operands(x, weight, segments):
-    """(taps [K, C], segments pointer) where the native convolution applies, else None."""
+    """(taps [K, C], contiguous document ids or None) where the native convolution applies,
+    else None."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         return None
     if not x.is_contiguous() or not _usable(x, weight):
         return None
-    if segments is None:
-        return weight.t().contiguous(), None, None
-    if segments.dtype != torch.int64 or segments.shape != x.shape[:2] or segments.is_cuda:
-        return None
-    segments = segments.contiguous()
-    return weight.t().contiguous(), segments, ctypes.cast(segments.data_ptr(), _I64_P)
+    if segments is not None:
+        if (segments.dtype != torch.int64 or segments.shape != x.shape[:2]
+                or segments.device.type != "cpu"):
+            return None
+        segments = segments.contiguous()
+    return weight.t().contiguous(), segments
+
+
+def _ids_ptr(segments: torch.Tensor | None):
+    return None if segments is None else ctypes.cast(segments.data_ptr(), _I64_P)
 
 
 def conv_silu_forward(x: torch.Tensor, weight: torch.Tensor,
@@ -179,10 +190,10 @@ def conv_silu_forward(x: torch.Tensor, weight: torch.Tensor,
     operands = _conv_operands(x, weight, segments)
     if operands is None:
         return None
-    taps, _, seg_ptr = operands  # the contiguous ids stay referenced through the call
+    taps, segments = operands
     out = torch.empty_like(x)
     B, T, C = x.shape
-    _library().conv_silu_forward(_ptr(x), _ptr(taps), seg_ptr, _ptr(out), B, T, C,
+    _library().conv_silu_forward(_ptr(x), _ptr(taps), _ids_ptr(segments), _ptr(out), B, T, C,
                                  taps.shape[0], torch.get_num_threads())
     return out
 
@@ -194,16 +205,16 @@ def conv_silu_backward(x: torch.Tensor, weight: torch.Tensor, segments: torch.Te
     operands = _conv_operands(x, weight, segments)
     if operands is None or grad_out.shape != x.shape or not _usable(grad_out):
         return None
-    taps, _, seg_ptr = operands
+    taps, segments = operands
     grad_out = grad_out.contiguous()
     B, T, C = x.shape
     K = taps.shape[0]
     blocks = -(-B * T // _BLOCK_ROWS)
     grad_pre, grad_x = torch.empty_like(x), torch.empty_like(x)
     partials, grad_taps = torch.empty(blocks, K, C), torch.empty(K, C)
-    _library().conv_silu_backward(_ptr(x), _ptr(taps), seg_ptr, _ptr(grad_out), _ptr(grad_pre),
-                                  _ptr(grad_x), _ptr(partials), _ptr(grad_taps), B, T, C, K,
-                                  _BLOCK_ROWS, torch.get_num_threads())
+    _library().conv_silu_backward(_ptr(x), _ptr(taps), _ids_ptr(segments), _ptr(grad_out),
+                                  _ptr(grad_pre), _ptr(grad_x), _ptr(partials), _ptr(grad_taps),
+                                  B, T, C, K, _BLOCK_ROWS, torch.get_num_threads())
     return grad_x, grad_taps.t().contiguous()
 
 
@@ -242,12 +253,10 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.
             or (weight is not None and (weight.shape != x.shape[-1:]
                                         or not weight.is_contiguous()))):
         return None
-    rows, grads = _as_rows(x), _as_rows(grad_out)
-    if grads is None:
-        grads = _as_rows(grad_out.contiguous())
+    rows = _as_rows(x)
     if rows is None:
         return None
-    (rows, x_stride), (grads, grad_stride) = rows, grads
+    (rows, x_stride), (grads, grad_stride) = rows, _grad_rows(grad_out)
     n, width = rows.shape
     grad_x = torch.empty(x.shape, dtype=torch.float32)
     grad_weight = partials = None
@@ -313,14 +322,14 @@ def depth_mix_backward(sources: list[torch.Tensor], query: torch.Tensor,
             or rstd.shape != (*weights.shape, 1) or not rstd.is_contiguous()):
         return None
     views, pointers, strides = operands
-    grads = _as_rows(grad) or _as_rows(grad.contiguous())
+    grads, grad_stride = _grad_rows(grad)
     rows, width = views[0].shape
     dvalues = torch.empty(n, *sources[0].shape, dtype=torch.float32)
     coef = torch.empty(n, rows, dtype=torch.float32)
     partials = torch.empty(-(-rows // _BLOCK_ROWS), width, dtype=torch.float32)
     du = torch.empty(width, dtype=torch.float32)
     _library().depth_mix_backward(pointers, strides, n, _ptr(query), _ptr(norm_weight),
-                                  _ptr(weights), _ptr(rstd), _ptr(grads[0]), grads[1],
+                                  _ptr(weights), _ptr(rstd), _ptr(grads), grad_stride,
                                   _ptr(dvalues), _ptr(coef), _ptr(partials), _ptr(du), rows,
                                   width, _BLOCK_ROWS, torch.get_num_threads())
     return dvalues, du * norm_weight, du * query
