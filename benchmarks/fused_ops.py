@@ -62,7 +62,7 @@ def _kda_layer_call(q, k, v, g, beta):
     """As the layer calls it: each row starts a document, the first row holds two."""
     cu_seqlens = torch.tensor([0, 300, *range(SEQ, ROWS * SEQ + 1, SEQ)])
     return kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=32,
-                     lower_bound=-5.0, rows=ROWS)[0]
+                     lower_bound=-5.0, rows=ROWS, backend="torch")[0]
 
 
 def _step(fn, leaves, args, compiled: bool = False) -> tuple[float, int]:

@@ -1,6 +1,8 @@
 """CPU forward+backward time and peak memory of the KDA chunk form (K3's bounded gate, and the
-exact form any gate takes), the KDA recurrence and the MLA attention core (doc_causal_attention,
-sdpa backend) as the sequence grows, with the chunk form's FLOP rate against the matmul peak.
+exact form any gate takes), the KDA recurrence (the torch reference, and the native C loops that
+kda_chunk's `auto` backend runs for fp32 on a CPU: kda_native) and the MLA attention core
+(doc_causal_attention, sdpa backend) as the sequence grows, with the chunk form's FLOP rate
+against the matmul peak.
 
     python -m benchmarks.kda_vs_attention --T 1024 4096 16384
 
@@ -44,7 +46,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-METHODS = ("kda_chunk", "kda_chunk_exact", "kda_recurrent", "mla_attention")
+METHODS = ("kda_chunk", "kda_chunk_exact", "kda_native", "kda_recurrent", "mla_attention")
 K3_LOWER_BOUND = -5.0
 CHUNK = 64
 
@@ -93,6 +95,12 @@ def kda_function(method: str):
         return functools.partial(kda_chunk, lower_bound=K3_LOWER_BOUND, backend="torch")
     if method == "kda_chunk_exact":  # the form for unbounded gates (Kimi Linear's)
         return functools.partial(kda_chunk, backend="torch")
+    if method == "kda_native":  # what the layer runs on a CPU in fp32
+        from model.ops import native
+
+        if not native.available():
+            raise SystemExit("kda_native: the native kernels are unavailable (see the warning)")
+        return functools.partial(kda_chunk, lower_bound=K3_LOWER_BOUND)
     return kda_recurrent
 
 
@@ -210,7 +218,7 @@ def print_table(results: dict, args) -> None:
     H, D = args.kda_heads, args.kda_dim
     print(f"threads={args.threads}  repeats={args.repeats} (kda_recurrent: "
           f"{args.recurrent_repeats or 'its first run'})  KDA: H={H} K=V={D} chunk={CHUNK} "
-          f"(torch paths; kda_chunk: lower_bound={K3_LOWER_BOUND})  "
+          f"(kda_chunk, kda_native: lower_bound={K3_LOWER_BOUND})  "
           f"MLA core: H={args.mla_heads} Dqk={args.mla_qk_dim} Dv={args.mla_v_dim} (sdpa)")
     print("forward+backward, B=1, one document of T tokens given as cu_seqlens")
     header = (f"{'T':>7} {'method':<16} {'time [s]':>9} {'peak [MiB]':>11} {'t/kda_chunk':>12} "

@@ -1,7 +1,8 @@
 """kda_chunk (chunkwise, static shapes) against kda_recurrent (the reference recurrence):
 outputs, final states and gradients of every input, for the gates, betas and document layouts
-the model produces. Each case runs both torch forms: the exact one for any gate (lower_bound=None)
-and the factorised sub-tiles for K3's gate bounded at -5."""
+the model produces. Each case runs every CPU form: the torch chunk form that is exact for any gate
+(lower_bound=None), its factorised sub-tiles for K3's gate bounded at -5, and the native
+recurrence that `auto` takes for fp32 on a CPU (model/ops/native.py), with that bound."""
 
 import functools
 import importlib.util
@@ -15,6 +16,7 @@ import model.ops.kda as kda_ops
 from model.batch import cu_seqlens_from_lengths
 from model.config import KDAConfig, k3_tiny, replace
 from model.kda import KimiDeltaAttention
+from model.ops import native
 from model.ops.kda import kda_chunk, kda_recurrent
 from tests.static_shapes import assert_static, record
 from tests.tolerances import assert_close_rms
@@ -22,7 +24,22 @@ from tests.tolerances import assert_close_rms
 TOL = 5e-3  # DESIGN.md section 5: fp32 outputs and states; gradients held to the same bound
 H, K, V = 2, 32, 32
 BOUND = -5.0  # K3's gate
-both_forms = pytest.mark.parametrize("lower_bound", [None, BOUND], ids=["exact", "bounded"])
+
+
+@pytest.fixture(params=["exact", "bounded", "native"])
+def lower_bound(request):
+    """The bound to pass kda_chunk, with the native kernels on for the native form only."""
+    if request.param == "native":
+        assert native.available()
+    with native.native_kernels(request.param == "native"):
+        yield None if request.param == "exact" else BOUND
+
+
+@pytest.fixture(params=["torch", "native"])
+def cpu_form(request):
+    """The torch chunk forms or the native recurrence, for the tests that pick their bound."""
+    with native.native_kernels(request.param == "native"):
+        yield request.param
 
 
 def make_inputs(B, T, gate="k3", beta_range=(0.0, 1.0), num_states=None):
@@ -80,20 +97,17 @@ def compare_chunk_to_recurrent(inputs, num_states, lower_bound=None, **kwargs):
     return ref, got
 
 
-@both_forms
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_chunk_matches_recurrent_with_ragged_tail_and_initial_state(chunk_size, lower_bound):
     inputs = make_inputs(B=2, T=100, num_states=2)  # 100 is not a multiple of either chunk
     compare_chunk_to_recurrent(inputs, 2, lower_bound, chunk_size=chunk_size)
 
 
-@both_forms
 def test_chunk_matches_recurrent_without_initial_state(lower_bound):
     inputs = make_inputs(B=1, T=70)
     compare_chunk_to_recurrent(inputs, 1, lower_bound)
 
 
-@both_forms
 @pytest.mark.parametrize("gate", ["floor", "k3"])
 def test_gate_at_the_lower_bound(gate, lower_bound):
     inputs = make_inputs(B=1, T=130, gate=gate, num_states=1)
@@ -102,14 +116,13 @@ def test_gate_at_the_lower_bound(gate, lower_bound):
     compare_chunk_to_recurrent(inputs, 1, lower_bound)
 
 
-@both_forms
 @pytest.mark.parametrize("beta_range", [(1e-4, 1e-3), (0.999, 1.0)], ids=["near0", "near1"])
 def test_beta_extremes(beta_range, lower_bound):
     inputs = make_inputs(B=1, T=130, beta_range=beta_range, num_states=1)
     compare_chunk_to_recurrent(inputs, 1, lower_bound)
 
 
-def test_unbounded_kimi_linear_gate_stays_finite_and_matches():
+def test_unbounded_kimi_linear_gate_stays_finite_and_matches(cpu_form):
     inputs = make_inputs(B=1, T=150, gate="kimi_linear", num_states=1)
     g = inputs["g"].detach()
     # The test needs decays that underflow: a 16-token tile sums far below exp(-80).
@@ -142,15 +155,15 @@ def spy_on_forms(monkeypatch):
     ("k3", BOUND, "bounded"),
     ("k3", -8.0, "exact"),  # looser than the safe range [-5, 0): no fp32 headroom to factorise
 ])
-def test_each_gate_takes_its_form(monkeypatch, gate, lower_bound, form):
+def test_each_gate_takes_its_form(monkeypatch, torch_forms, gate, lower_bound, form):
     calls = spy_on_forms(monkeypatch)
     inputs = make_inputs(B=1, T=70, gate=gate, num_states=1)
     compare_chunk_to_recurrent(inputs, 1, lower_bound)
     assert calls == [form]
 
 
-def test_gate_below_the_bound_is_clamped_to_it():
-    """lower_bound is a promise; the bounded form holds g at the bound where a gate breaks it
+def test_gate_below_the_bound_is_clamped_to_it(cpu_form):
+    """lower_bound is a promise; the bounded forms hold g at the bound where a gate breaks it
     (finite, and the recurrence of the clamped gate, with no gradient where it clamped)."""
     inputs = make_inputs(B=1, T=130, gate="kimi_linear", num_states=1)
     assert (inputs["g"] < BOUND).float().mean() > 0.2
@@ -191,7 +204,6 @@ def test_layer_passes_only_the_k3_gate_bound(gate, bound):
 
 # Uneven documents: shorter than a chunk, one over several chunks, unaligned boundaries, and a
 # layout with an empty document (its final state is its initial state).
-@both_forms
 @pytest.mark.parametrize("lengths", [(5, 150, 30, 17), (40, 0, 70, 1)])
 def test_packed_documents_equal_each_document_alone(lengths, lower_bound):
     T = sum(lengths)
@@ -220,7 +232,6 @@ def test_packed_documents_equal_each_document_alone(lengths, lower_bound):
     assert_all_close(run(kda_recurrent, inputs, cot, cu_seqlens=cu_seqlens), packed)
 
 
-@both_forms
 def test_packed_documents_final_states_without_initial_states(lower_bound):
     lengths = (5, 150, 30, 17)
     T = sum(lengths)
@@ -235,7 +246,6 @@ def test_packed_documents_final_states_without_initial_states(lower_bound):
 
 # Training's case (no states in or out): documents share chunks and are separated by masks.
 # Several documents inside one chunk, one over several chunks, empty slots as the loader pads.
-@both_forms
 @pytest.mark.parametrize("lengths", [(5, 150, 30, 17), (3, 4, 0, 9, 2, 60, 0, 0, 1),
                                      (64, 64, 1, 63)])
 def test_packed_documents_without_states_equal_each_document_alone(lengths, lower_bound):
@@ -259,8 +269,8 @@ def test_packed_documents_without_states_equal_each_document_alone(lengths, lowe
         assert_all_close(ref, got)
 
 
-@both_forms
-def test_packed_documents_without_states_cost_no_padding(lower_bound):
+@pytest.mark.parametrize("lower_bound", [None, BOUND], ids=["exact", "bounded"])
+def test_packed_documents_without_states_cost_no_padding(torch_forms, lower_bound):
     """Empty document slots must not grow the work: the chunked buffer is ceil(T / C) chunks."""
     T, chunk = 96, 32
     many_slots = cu_seqlens_from_lengths([[40, 56] + [0] * 60], T)
@@ -272,7 +282,6 @@ def test_packed_documents_without_states_cost_no_padding(lower_bound):
     assert chunk_dims == {T // chunk}, chunk_dims
 
 
-@both_forms
 @pytest.mark.parametrize("chunk_size", [16, 32])
 def test_rows_that_start_documents_run_side_by_side_and_equal_the_packed_sequence(
         chunk_size, lower_bound):
@@ -300,6 +309,8 @@ def test_rows_that_start_documents_run_side_by_side_and_equal_the_packed_sequenc
     assert_all_close(ref, side_by_side)
     for name in packed:
         assert_close_rms(packed[name], side_by_side[name], 1e-6, name)
+    if native.available():  # the recurrence runs each document on its own, rows or not
+        return
     rec = record(lambda: chunked(**inputs, cu_seqlens=cu_seqlens, rows=len(rows)))
     batches = {shape[:3] for _, shapes in rec.trace for shape in shapes
                if isinstance(shape, tuple) and len(shape) == 5 and shape[1] == H}
@@ -309,7 +320,6 @@ def test_rows_that_start_documents_run_side_by_side_and_equal_the_packed_sequenc
         assert batches == {(1, H, -(-T // chunk_size))}
 
 
-@both_forms
 def test_static_shapes_without_states_for_two_document_layouts(lower_bound):
     T = 202
     inputs = make_inputs(B=1, T=T)
@@ -324,7 +334,6 @@ def test_static_shapes_without_states_for_two_document_layouts(lower_bound):
     assert_static(*recs)
 
 
-@both_forms
 def test_static_shapes_for_two_document_layouts(lower_bound):
     T = 202
     layouts = [(5, 150, 30, 17), (100, 2, 50, 50)]
@@ -360,7 +369,6 @@ def test_recurrent_matches_the_spec_matrix_form():
     assert_close_rms(S, state[0], 1e-6, "state")
 
 
-@both_forms
 def test_dtypes_and_optional_final_state(lower_bound):
     inputs = {name: x.detach().bfloat16() for name, x in make_inputs(B=1, T=40).items()}
     for fn in (functools.partial(kda_chunk, lower_bound=lower_bound), kda_recurrent):
@@ -383,7 +391,6 @@ def assert_wrapped_equals_plain(wrap, lower_bound, T=100):
         torch.testing.assert_close(wrapped[name], value, rtol=0, atol=0, msg=name)
 
 
-@both_forms
 def test_bf16_autocast_leaves_the_fp32_island_alone(lower_bound):
     # Autocast would run the intra-chunk matmuls in bf16; the state pass's out= matmuls are not
     # autocast and would then get mixed dtypes. A forward inside autocast computes as without
@@ -395,7 +402,6 @@ def test_bf16_autocast_leaves_the_fp32_island_alone(lower_bound):
     assert_wrapped_equals_plain(forward_in_autocast, lower_bound)
 
 
-@both_forms
 def test_under_activation_checkpointing(lower_bound):
     # torch.utils.checkpoint unpacks each saved tensor once: the backward reads them once.
     def checkpointed(chunk, **kwargs):
@@ -404,7 +410,6 @@ def test_under_activation_checkpointing(lower_bound):
     assert_wrapped_equals_plain(checkpointed, lower_bound, T=70)
 
 
-@both_forms
 def test_output_takes_in_place_ops(lower_bound):
     # The output is a tensor of its own, not a view of the autograd function's result (autograd
     # refuses in-place ops on those): a caller may scale it in place and still differentiate.

@@ -1,6 +1,7 @@
 """The native CPU kernels (model/ops/native.py, native_kernels.c) against the plain references:
 forward and backward, strided views, infinities and NaN, any thread count, and the torch forms
-wherever a kernel does not apply."""
+wherever a kernel does not apply. The KDA recurrence's other cases (gates, betas, document
+layouts, autocast, activation checkpointing) are in tests/test_kda_ops.py."""
 
 import warnings
 
@@ -9,8 +10,10 @@ import torch
 
 from model.activations import situ_glu, situ_glu_reference
 from model.attnres import depth_mix, depth_mix_reference
+from model.batch import cu_seqlens_from_lengths
 from model.norms import rms_norm
 from model.ops import native
+from model.ops.kda import kda_chunk, kda_recurrent
 from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
 from tests.tolerances import assert_close_rms, rel_rms
 
@@ -151,6 +154,84 @@ def test_depth_mix_propagates_nan_like_the_torch_forms():
     assert_close_rms(expected[~expected.isnan()], got[~got.isnan()], 1e-6, "finite rows")
 
 
+def _kda_inputs(T: int, H: int, K: int, V: int, num_states: int) -> list[torch.Tensor]:
+    """q, k, v, g (K3's gate), beta and initial states as the KDA layer feeds them."""
+    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, K), dim=-1) for _ in range(2))
+    g = -5 * torch.sigmoid(2 * torch.randn(1, T, H, K))
+    return [q, k, torch.randn(1, T, H, V), g, torch.rand(1, T, H),
+            torch.randn(num_states, H, K, V)]
+
+
+def _kda(cu_seqlens, lower_bound=-5.0):
+    """kda_chunk as the layer calls it, with the final states as a second output."""
+    def run(q, k, v, g, beta, initial_state):
+        o, state = kda_chunk(q, k, v, g, beta, initial_state=initial_state,
+                             output_final_state=True, cu_seqlens=cu_seqlens,
+                             lower_bound=lower_bound)
+        return o, state
+    return run
+
+
+def _with_grads_of_two(fn, inputs, cotangents):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outputs = fn(*leaves)
+    torch.autograd.backward(outputs, cotangents)
+    return *outputs, *(t.grad for t in leaves)
+
+
+@pytest.mark.parametrize("K, V", [(16, 24), (32, 32), (128, 128)])
+def test_kda_recurrence_is_as_exact_as_the_reference(K, V):
+    """Output, final states and every gradient within 1e-6 of the float64 recurrence, or twice
+    the fp32 torch recurrence's own error where that is larger: documents longer than a
+    checkpoint segment (64 tokens) and exactly one, of one token and empty, initial states."""
+    torch.manual_seed(0)
+    lengths = [1, 150, 0, 64, 45]
+    T, H = sum(lengths), 2
+    cu_seqlens = cu_seqlens_from_lengths([lengths], T)
+    inputs = _kda_inputs(T, H, K, V, len(lengths))
+    assert native.kda_usable(*inputs)
+    cotangents = [torch.randn(1, T, H, V), torch.randn(len(lengths), H, K, V)]
+    reference = _kda_reference(cu_seqlens)
+    truth = _with_grads_of_two(reference, [t.double() for t in inputs],
+                               [c.double() for c in cotangents])
+    plain = _with_grads_of_two(reference, inputs, cotangents)
+    got = _with_grads_of_two(_kda(cu_seqlens), inputs, cotangents)
+    names = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
+    for name, exact, ref, mine in zip(names, truth, plain, got, strict=True):
+        assert mine.dtype == torch.float32, name
+        tol = max(1e-6, 2 * rel_rms(exact, ref))
+        assert_close_rms(exact, mine, tol, f"KDA K={K} V={V}: {name}")
+
+
+def _kda_reference(cu_seqlens):
+    def run(q, k, v, g, beta, initial_state):
+        return kda_recurrent(q, k, v, g, beta, initial_state=initial_state,
+                             output_final_state=True, cu_seqlens=cu_seqlens)
+    return run
+
+
+def test_kda_recurrence_propagates_nan_like_the_reference():
+    torch.manual_seed(0)
+    lengths = [70, 30]
+    cu_seqlens = cu_seqlens_from_lengths([lengths], 100)
+    q, k, v, g, beta, states = _kda_inputs(100, 2, 32, 32, 2)
+    v[0, 40, 1, 3] = float("nan")  # document 0, head 1, value channel 3
+    o, state = _kda(cu_seqlens)(q, k, v, g, beta, states)
+    o_ref, state_ref = _kda_reference(cu_seqlens)(q, k, v, g, beta, states)
+    for got, ref in ((o, o_ref), (state, state_ref)):
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert_close_rms(ref[~ref.isnan()], got[~got.isnan()], 1e-6, "finite values")
+    # The value channel's column of the state, to the document's end.
+    assert o[0, 40:70, 1, 3].isnan().all() and o.isnan().sum() == 30
+
+
+def test_kda_recurrence_rejects_invalid_document_bounds():
+    inputs = [t.detach() for t in _kda_inputs(40, 2, 32, 32, 1)[:5]]
+    for bad in ([0, 30, 20, 40], [0, 30], [5, 40]):
+        with pytest.raises(ValueError, match=rf"cu_seqlens \[{bad[0]}, .* is invalid"):
+            kda_chunk(*inputs, cu_seqlens=torch.tensor(bad))
+
+
 def test_results_do_not_depend_on_the_thread_count():
     torch.manual_seed(0)
     gate, up = torch.randn(2, 512, 256) * 4  # above the kernels' parallel grain
@@ -163,6 +244,10 @@ def test_results_do_not_depend_on_the_thread_count():
               torch.randn(4, 512, 64)),
              (lambda a, b, q: depth_mix([a, b], q, torch.ones(64), 1e-5),
               (x, x.flip(1), torch.randn(64)), torch.randn(4, 512, 64))]
+    kda_cu_seqlens = cu_seqlens_from_lengths([[100, 30, 200, 70]], 400)
+    kda = _kda(kda_cu_seqlens)
+    cases.append((lambda *a: torch.cat([o.flatten() for o in kda(*a)]),
+                  _kda_inputs(400, 2, 32, 32, 4), torch.randn(400 * 2 * 32 + 4 * 2 * 32 * 32)))
     threads = torch.get_num_threads()
     try:
         for fn, inputs, cotangent in cases:
@@ -211,6 +296,21 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
         assert not native.available()
         assert native.situ_glu_forward(gate, up, 4.0, 25.0) is None
         assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
+
+
+def test_kda_takes_the_torch_chunk_form_where_the_recurrence_does_not_apply():
+    torch.manual_seed(0)
+    inputs = [t.detach() for t in _kda_inputs(40, 2, 32, 32, 1)]
+    cases = {"bf16": [t.bfloat16() for t in inputs], "float64": [t.double() for t in inputs],
+             "bf16 initial state": [*inputs[:5], inputs[5].bfloat16()],
+             "tensor subclass": [t.as_subclass(_Subclass) for t in inputs]}
+    for what, tensors in cases.items():
+        assert not native.kda_usable(*tensors), what
+        kwargs = {"initial_state": tensors[5], "output_final_state": True, "lower_bound": -5.0}
+        got = kda_chunk(*tensors[:5], **kwargs)
+        expected = kda_chunk(*tensors[:5], **kwargs, backend="torch")
+        for x, y in zip(got, expected, strict=True):
+            assert torch.equal(x, y), what
 
 
 def _assert_torch_forms_after_one_warning(monkeypatch, match: str):

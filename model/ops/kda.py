@@ -46,6 +46,7 @@ import torch
 
 from model.batch import segment_ids
 from model.dtypes import compute_dtype, upcast
+from model.ops import native
 from model.ops.fast_exp import exp_
 from model.ops.fused import fusable
 
@@ -134,11 +135,51 @@ def kda_chunk(
             # Builds the varlen chunk list on the device with a fixed shape (no host sync).
             use_graph=cu_seqlens is not None,
         )
+    if backend == "auto" and native.kda_usable(q, k, v, g, beta, initial_state):
+        return _native_recurrence(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                  cu_seqlens, safe_bound)
     # An fp32 island whatever the autocast region around it: the state pass writes with out=,
     # which autocast does not cast, so its operands must not come out of autocast's matmuls.
     with _no_autocast(q.device.type):
         return _kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
                                 cu_seqlens, chunk_size, safe_bound, rows)
+
+
+def _native_recurrence(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                       lower_bound):
+    """The recurrence itself as C loops (model/ops/native.py kda_forward): on a CPU the state of
+    a head (4 KiB at K = V = 32) stays in cache, where the chunk form's small matmuls and
+    element-wise passes go through memory and torch's per-operator cost."""
+    if cu_seqlens is None:  # each row one sequence
+        bounds = torch.arange(q.shape[0] + 1) * q.shape[1]
+    else:
+        bounds = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    floor = -torch.inf if lower_bound is None else lower_bound  # the bounded form clamps too
+    o, final = _NativeRecurrence.apply(q, k, v, g, beta, initial_state, bounds, scale, floor)
+    return o, final if output_final_state else None
+
+
+class _NativeRecurrence(torch.autograd.Function):
+    """kda_recurrent (with g clamped at `floor`) forward and backward in native C loops; it
+    keeps its inputs and the state at every native.KDA_SEGMENT-th token of each sequence, and
+    the backward recomputes the states in between."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, bounds, scale, floor):
+        inputs = [x.contiguous() for x in (q, k, v, g, beta)]
+        initial = None if initial_state is None else initial_state.contiguous()
+        o, final, checkpoints = native.kda_forward(*inputs, initial, bounds, scale, floor)
+        ctx.save_for_backward(*inputs, checkpoints, bounds)
+        ctx.scale, ctx.floor = scale, floor
+        ctx.set_materialize_grads(False)  # an unused final state needs no zero gradient
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        *inputs, checkpoints, bounds = ctx.saved_tensors
+        grads = native.kda_backward(*inputs, checkpoints, bounds, ctx.scale, ctx.floor, do,
+                                    dfinal, ctx.needs_input_grad[5])
+        return *grads, None, None, None
 
 
 def _no_autocast(device_type: str):

@@ -51,7 +51,12 @@ _SIGNATURES = {
     "depth_mix_backward": [ctypes.POINTER(_F32_P), _I64_P, ctypes.c_int64] + [_F32_P] * 5
                           + [ctypes.c_int64] + [_F32_P] * 4 + [ctypes.c_int64] * 3
                           + [ctypes.c_int],
+    "kda_forward": [_F32_P] * 6 + [_I64_P] + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
+                   + [ctypes.c_int64] + [_F32_P] * 3 + [_I64_P, _F32_P, ctypes.c_int],
+    "kda_backward": [_F32_P] * 6 + [_I64_P] + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
+                    + [ctypes.c_int64] + [_F32_P] * 8 + [_I64_P, _F32_P, ctypes.c_int],
 }
+_RESULTS = {"kda_forward": ctypes.c_int64}
 # Rows per block of a weight gradient's sum over rows (see native_kernels.c).
 _BLOCK_ROWS = 64
 
@@ -92,7 +97,7 @@ def _library() -> ctypes.CDLL | None:
         return _unavailable(f"building them failed: {err}")
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = _RESULTS.get(name)
     return lib
 
 
@@ -333,3 +338,64 @@ def depth_mix_backward(sources: list[torch.Tensor], query: torch.Tensor,
                                   _ptr(dvalues), _ptr(coef), _ptr(partials), _ptr(du), rows,
                                   width, _BLOCK_ROWS, torch.get_num_threads())
     return dvalues, du * norm_weight, du * query
+
+
+# Tokens between the KDA recurrence's checkpoints: the backward holds one segment's states
+# ([64, K, V] per thread: 256 KiB at K = V = 32, in cache).
+KDA_SEGMENT = 64
+
+
+def kda_usable(*tensors: torch.Tensor | None) -> bool:
+    """Whether kda_forward applies: fp32 CPU plain tensors (None: an absent initial state)."""
+    return _usable(*(t for t in tensors if t is not None))
+
+
+def _kda_scratch(bounds: torch.Tensor, floats_per_thread: int):
+    threads = torch.get_num_threads()
+    first = torch.empty(bounds.shape[0], dtype=torch.int64)
+    return first, torch.empty(threads, floats_per_thread), threads
+
+
+def kda_forward(q, k, v, g, beta, initial_state, bounds, scale: float, floor: float):
+    """(o [.., H, V], final states [N, H, K, V], checkpoints) of the KDA recurrence over the
+    sequences bounds[n] .. bounds[n + 1] of the flattened tokens (model/ops/kda.py
+    kda_recurrent with g clamped at `floor`, -inf for none), for contiguous fp32 CPU q, k, g
+    [.., H, K], v [.., H, V], beta [.., H], initial_state [N, H, K, V] or None and int64
+    bounds [N + 1]. Raises ValueError where bounds do not run from 0 to the token count
+    without decreasing."""
+    H, K, V = *q.shape[-2:], v.shape[-1]
+    tokens, N = q.numel() // (H * K), bounds.shape[0] - 1
+    o = torch.empty(v.shape, dtype=torch.float32)
+    final = torch.empty(N, H, K, V)
+    # sum of ceil(len_n / segment) <= ceil(tokens / segment) + N - 1: a static count.
+    checkpoints = torch.empty(max(-(-tokens // KDA_SEGMENT) + N - 1, 0), H, K, V)
+    first, work, threads = _kda_scratch(bounds, K + 2 * V)
+    count = _library().kda_forward(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _optional_ptr(initial_state),
+        _ids_ptr(bounds), N, tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(o), _ptr(final),
+        _ptr(checkpoints), _ids_ptr(first), _ptr(work), threads)
+    if count < 0:
+        raise ValueError(f"cu_seqlens {bounds.tolist()} is invalid: must start at 0, never "
+                         f"decrease and end at the token count {tokens}")
+    return o, final, checkpoints
+
+
+def kda_backward(q, k, v, g, beta, checkpoints, bounds, scale: float, floor: float,
+                 grad_o, grad_final, need_initial: bool):
+    """(dq, dk, dv, dg, dbeta, d initial_state or None) of kda_forward from the gradients of o
+    and of the final states (None: zero), recomputing the states from the checkpoints."""
+    H, K, V = *q.shape[-2:], v.shape[-1]
+    tokens, N = q.numel() // (H * K), bounds.shape[0] - 1
+    grad_o = torch.zeros_like(v) if grad_o is None else grad_o.contiguous()
+    grad_final = None if grad_final is None else grad_final.contiguous()
+    dq, dk, dg = (torch.empty(q.shape, dtype=torch.float32) for _ in range(3))
+    dv, dbeta = torch.empty(v.shape, dtype=torch.float32), torch.empty(beta.shape)
+    grad_initial = torch.empty(N, H, K, V) if need_initial else None
+    first, work, threads = _kda_scratch(
+        bounds, (KDA_SEGMENT + 1) * K * V + (KDA_SEGMENT + 3) * V + K)
+    _library().kda_backward(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(checkpoints), _ids_ptr(bounds), N,
+        tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(grad_o), _optional_ptr(grad_final),
+        _ptr(dq), _ptr(dk), _ptr(dv), _ptr(dg), _ptr(dbeta), _optional_ptr(grad_initial),
+        _ids_ptr(first), _ptr(work), threads)
+    return dq, dk, dv, dg, dbeta, grad_initial

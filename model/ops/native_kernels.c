@@ -8,6 +8,7 @@
  * operation by operation; expf and tanhf come from glibc's vector math library (libmvec,
  * declared below for the vectoriser), which keeps IEEE semantics for infinities and NaN. */
 
+#include <omp.h>
 #include <stdint.h>
 
 float expf(float) __attribute__((simd("notinbranch"), const, nothrow));
@@ -325,4 +326,235 @@ void depth_mix_backward(const float **sources, const int64_t *strides, int64_t n
       }
   }
   sum_blocks(partials, blocks, width, du);
+}
+
+/* Kimi Delta Attention token by token (model/ops/kda.py kda_recurrent, the reference). Per head,
+ * with the state S [K, V] (row i: key channel i), G = max(g_t, floor) the log decay:
+ *   S' = Diag(exp(G)) S;  r = v_t - S'^T k_t;  S = S' + k_t (beta_t r)^T;  o_t = S^T (scale q_t)
+ * The state stays in cache for the whole sequence: each token is two passes over it. The
+ * tokens are token-major ([tokens, H, K], [tokens, H, V], beta [tokens, H]); a sequence is the
+ * tokens bounds[n] .. bounds[n + 1] - 1, and each (sequence, head) is one thread's work from its
+ * first token to its last, so results do not depend on the thread count. The forward keeps the
+ * state entering every `segment`-th token of a sequence (its checkpoints); the backward
+ * recomputes a segment's states from its checkpoint, then walks the segment in reverse. */
+
+/* Where each sequence's checkpoints start (first[N] is their count); -1 where the bounds do not
+ * start at 0, decrease or end past `tokens`. */
+static int64_t checkpoint_starts(const int64_t *bounds, int64_t N, int64_t tokens,
+                                 int64_t segment, int64_t *first) {
+  if (bounds[0] != 0 || bounds[N] != tokens) return -1;
+  first[0] = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    if (bounds[n + 1] < bounds[n]) return -1;
+    first[n + 1] = first[n] + (bounds[n + 1] - bounds[n] + segment - 1) / segment;
+  }
+  return first[N];
+}
+
+/* decay <- exp(max(g, floor)) for one token's K channels (one vector loop, libmvec's expf). */
+static inline __attribute__((always_inline)) void token_decay(const float *restrict g, float floor, float *restrict decay, int64_t K) {
+#pragma omp simd
+  for (int64_t i = 0; i < K; ++i) decay[i] = expf(g[i] < floor ? floor : g[i]);
+}
+
+/* One token: S <- the state after it, r <- v - S'^T k and, where o is given, o <- its output;
+ * decay [K] is scratch. */
+static inline __attribute__((always_inline)) void kda_token(float *restrict S, const float *restrict q, const float *restrict k,
+                      const float *restrict v, const float *restrict g, float beta, float scale,
+                      float floor, float *restrict decay, float *restrict r, float *restrict u,
+                      float *restrict o, int64_t K, int64_t V) {
+  token_decay(g, floor, decay, K);
+  for (int64_t j = 0; j < V; ++j) r[j] = 0.0f;
+  for (int64_t i = 0; i < K; ++i) {
+    float key = k[i], row_decay = decay[i];
+    float *restrict row = S + i * V;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] *= row_decay;
+      r[j] += key * row[j];
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) {
+    r[j] = v[j] - r[j];
+    u[j] = beta * r[j];
+  }
+  if (o != 0)
+    for (int64_t j = 0; j < V; ++j) o[j] = 0.0f;
+  for (int64_t i = 0; i < K; ++i) {
+    float key = k[i], query = q[i] * scale;
+    float *restrict row = S + i * V;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) row[j] += key * u[j];
+    if (o != 0) {
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) o[j] += query * row[j];
+    }
+  }
+}
+
+static void copy_floats(float *restrict dst, const float *restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+static void zero_floats(float *dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = 0.0f;
+}
+
+/* The head sizes of the K3 configs get loops with constant bounds (the vectoriser unrolls them
+ * into whole vectors: about 2x faster at 32 than the same loops with run-time bounds). */
+#define FOR_HEAD_SIZES(call)                  \
+  if (K == 32 && V == 32)                     \
+    call(32, 32);                             \
+  else if (K == 128 && V == 128)              \
+    call(128, 128);                           \
+  else                                        \
+    call(K, V)
+
+/* One (sequence, head)'s forward: o, its final state S and its checkpoints. */
+static inline __attribute__((always_inline)) void kda_forward_item(
+    const float *q, const float *k, const float *v, const float *g, const float *beta,
+    const float *initial, int64_t start, int64_t end, int64_t h, int64_t H, float scale,
+    float floor, int64_t segment, float *o, float *S, float *checkpoints, float *work,
+    const int64_t K, const int64_t V) {
+  float *decay = work, *r = decay + K, *u = r + V;
+  if (initial != 0)
+    copy_floats(S, initial, K * V);
+  else
+    zero_floats(S, K * V);
+  for (int64_t t = start; t < end; ++t) {
+    int64_t c = t - start, x = t * H + h;
+    if (c % segment == 0) copy_floats(checkpoints + (c / segment) * H * K * V, S, K * V);
+    kda_token(S, q + x * K, k + x * K, v + x * V, g + x * K, beta[x], scale, floor, decay, r,
+              u, o + x * V, K, V);
+  }
+}
+
+/* o [tokens, H, V] and the final states [N, H, K, V] from the initial ones (NULL: zeros); the
+ * checkpoints [count, H, K, V]. `first` [N + 1] and `work` [threads, K + 2 V] are scratch.
+ * Returns the checkpoints' count, or -1 for invalid bounds (nothing written then). */
+int64_t kda_forward(const float *q, const float *k, const float *v, const float *g,
+                    const float *beta, const float *initial, const int64_t *bounds, int64_t N,
+                    int64_t tokens, int64_t H, int64_t K, int64_t V, float scale, float floor,
+                    int64_t segment, float *o, float *final, float *checkpoints, int64_t *first,
+                    float *work, int threads) {
+  int64_t count = checkpoint_starts(bounds, N, tokens, segment, first);
+  if (count < 0) return -1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (N * H > 1)
+  for (int64_t item = 0; item < N * H; ++item) {
+    int64_t n = item / H, h = item % H;
+#define FORWARD_ITEM(K_, V_)                                                                   \
+  kda_forward_item(q, k, v, g, beta, initial == 0 ? 0 : initial + item * K * V, bounds[n],     \
+                   bounds[n + 1], h, H, scale, floor, segment, o, final + item * K * V,         \
+                   checkpoints + (first[n] * H + h) * K * V,                                    \
+                   work + omp_get_thread_num() * (K + 2 * V), K_, V_)
+    FOR_HEAD_SIZES(FORWARD_ITEM);
+#undef FORWARD_ITEM
+  }
+  return count;
+}
+
+/* One (sequence, head)'s backward, from the gradient of its final state in dS. */
+static inline __attribute__((always_inline)) void kda_backward_item(
+    const float *q, const float *k, const float *v, const float *g, const float *beta,
+    const float *checkpoints, int64_t start, int64_t end, int64_t h, int64_t H, float scale,
+    float floor, int64_t segment, const float *grad_o, float *dq, float *dk, float *dv,
+    float *dg, float *dbeta, float *dS, float *work, const int64_t K, const int64_t V) {
+  float *states = work, *rs = states + segment * K * V;  /* [segment, K, V], [segment, V] */
+  float *u = rs + segment * V, *du = u + V, *dp = du + V, *decay = dp + V;
+  for (int64_t c = (end - start + segment - 1) / segment - 1; c >= 0; --c) {
+    int64_t a0 = start + c * segment, a1 = a0 + segment < end ? a0 + segment : end;
+    const float *checkpoint = checkpoints + c * H * K * V;
+    const float *before = checkpoint;
+    for (int64_t t = a0; t < a1; ++t) {  /* the segment's states, recomputed */
+      int64_t x = t * H + h;
+      float *S = states + (t - a0) * K * V;
+      copy_floats(S, before, K * V);
+      kda_token(S, q + x * K, k + x * K, v + x * V, g + x * K, beta[x], scale, floor, decay,
+                rs + (t - a0) * V, u, 0, K, V);
+      before = S;
+    }
+    for (int64_t t = a1 - 1; t >= a0; --t) {
+      int64_t x = t * H + h;
+      const float *S = states + (t - a0) * K * V, *r = rs + (t - a0) * V;
+      const float *prev = t > a0 ? S - K * V : checkpoint;
+      const float *qt = q + x * K, *kt = k + x * K, *gt = g + x * K, *dot = grad_o + x * V;
+      float b = beta[x];
+      token_decay(gt, floor, decay, K);
+      for (int64_t j = 0; j < V; ++j) {
+        u[j] = b * r[j];
+        du[j] = 0.0f;
+      }
+      /* o = S^T (scale q) and S = S' + k u^T: dS += scale q do^T, then du = dS^T k and
+       * dk = dS u. */
+      for (int64_t i = 0; i < K; ++i) {
+        float query = qt[i] * scale, key = kt[i], dquery = 0.0f, dkey = 0.0f;
+        const float *row = S + i * V;
+        float *drow = dS + i * V;
+#pragma omp simd reduction(+ : dquery, dkey)
+        for (int64_t j = 0; j < V; ++j) {
+          dquery += row[j] * dot[j];
+          drow[j] += query * dot[j];
+          du[j] += key * drow[j];
+          dkey += drow[j] * u[j];
+        }
+        dq[x * K + i] = dquery * scale;
+        dk[x * K + i] = dkey;
+      }
+      /* u = beta (v - S'^T k). */
+      float dbeta_t = 0.0f;
+      for (int64_t j = 0; j < V; ++j) {
+        dbeta_t += du[j] * r[j];
+        dv[x * V + j] = b * du[j];
+        dp[j] = -b * du[j];
+      }
+      dbeta[x] = dbeta_t;
+      /* S' = Diag(exp(G)) prev: dS' = dS + k dp^T, dk += S' dp, dG = rows of dS' * S', and
+       * dS <- Diag(exp(G)) dS' for the token before. */
+      for (int64_t i = 0; i < K; ++i) {
+        float row_decay = decay[i], key = kt[i], dkey = 0.0f, dgate = 0.0f;
+        const float *row = prev + i * V;
+        float *drow = dS + i * V;
+#pragma omp simd reduction(+ : dkey, dgate)
+        for (int64_t j = 0; j < V; ++j) {
+          float decayed = row[j] * row_decay, d = drow[j] + key * dp[j];
+          dkey += decayed * dp[j];
+          dgate += d * decayed;
+          drow[j] = row_decay * d;
+        }
+        dk[x * K + i] += dkey;
+        dg[x * K + i] = gt[i] < floor ? 0.0f : dgate;  /* no gradient where G held g */
+      }
+    }
+  }
+}
+
+/* The gradients of q, k, v, g, beta (token-major like them) and, where `grad_initial` is given,
+ * of the initial states, from those of o and of the final states (NULL: zero). `first` [N + 1]
+ * and `work` [threads, (segment + 1) K V + (segment + 3) V + K] are scratch. */
+void kda_backward(const float *q, const float *k, const float *v, const float *g,
+                  const float *beta, const float *checkpoints, const int64_t *bounds, int64_t N,
+                  int64_t tokens, int64_t H, int64_t K, int64_t V, float scale, float floor,
+                  int64_t segment, const float *grad_o, const float *grad_final, float *dq,
+                  float *dk, float *dv, float *dg, float *dbeta, float *grad_initial,
+                  int64_t *first, float *work, int threads) {
+  checkpoint_starts(bounds, N, tokens, segment, first); /* checked by the forward */
+  int64_t per_thread = (segment + 1) * K * V + (segment + 3) * V + K;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (N * H > 1)
+  for (int64_t item = 0; item < N * H; ++item) {
+    int64_t n = item / H, h = item % H;
+    float *thread_work = work + omp_get_thread_num() * per_thread;
+    float *dS = thread_work + per_thread - K * V;  /* the gradient of the running state */
+    if (grad_final != 0)
+      copy_floats(dS, grad_final + item * K * V, K * V);
+    else
+      zero_floats(dS, K * V);
+#define BACKWARD_ITEM(K_, V_)                                                                  \
+  kda_backward_item(q, k, v, g, beta, checkpoints + (first[n] * H + h) * K * V, bounds[n],      \
+                    bounds[n + 1], h, H, scale, floor, segment, grad_o, dq, dk, dv, dg, dbeta,  \
+                    dS, thread_work, K_, V_)
+    FOR_HEAD_SIZES(BACKWARD_ITEM);
+#undef BACKWARD_ITEM
+    if (grad_initial != 0) copy_floats(grad_initial + item * K * V, dS, K * V);
+  }
 }
