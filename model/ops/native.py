@@ -391,8 +391,7 @@ def kda_backward(q, k, v, g, beta, checkpoints, bounds, scale: float, floor: flo
     dq, dk, dg = (torch.empty(q.shape, dtype=torch.float32) for _ in range(3))
     dv, dbeta = torch.empty(v.shape, dtype=torch.float32), torch.empty(beta.shape)
     grad_initial = torch.empty(N, H, K, V) if need_initial else None
-    first, work, threads = _kda_scratch(
-        bounds, (KDA_SEGMENT + 1) * K * V + (KDA_SEGMENT + 3) * V + K)
+    first, work, threads = _kda_scratch(bounds, (KDA_SEGMENT + 2) * K * V + KDA_SEGMENT * V + 4 * K)
     _library().kda_backward(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(checkpoints), _ids_ptr(bounds), N,
         tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(grad_o), _optional_ptr(grad_final),

@@ -352,17 +352,18 @@ static int64_t checkpoint_starts(const int64_t *bounds, int64_t N, int64_t token
 }
 
 /* decay <- exp(max(g, floor)) for one token's K channels (one vector loop, libmvec's expf). */
-static inline __attribute__((always_inline)) void token_decay(const float *restrict g, float floor, float *restrict decay, int64_t K) {
+static inline __attribute__((always_inline)) void token_decay(const float *restrict g,
+                                                              float floor,
+                                                              float *restrict decay, int64_t K) {
 #pragma omp simd
   for (int64_t i = 0; i < K; ++i) decay[i] = expf(g[i] < floor ? floor : g[i]);
 }
 
-/* One token: S <- the state after it, r <- v - S'^T k and, where o is given, o <- its output;
- * decay [K] is scratch. */
-static inline __attribute__((always_inline)) void kda_token(float *restrict S, const float *restrict q, const float *restrict k,
-                      const float *restrict v, const float *restrict g, float beta, float scale,
-                      float floor, float *restrict decay, float *restrict r, float *restrict u,
-                      float *restrict o, int64_t K, int64_t V) {
+/* One token: S <- the state after it and o <- its output; decay [K], r [V], u [V] are scratch. */
+static inline __attribute__((always_inline)) void kda_token(
+    float *restrict S, const float *restrict q, const float *restrict k, const float *restrict v,
+    const float *restrict g, float beta, float scale, float floor, float *restrict decay,
+    float *restrict r, float *restrict u, float *restrict o, int64_t K, int64_t V) {
   token_decay(g, floor, decay, K);
   for (int64_t j = 0; j < V; ++j) r[j] = 0.0f;
   for (int64_t i = 0; i < K; ++i) {
@@ -379,16 +380,14 @@ static inline __attribute__((always_inline)) void kda_token(float *restrict S, c
     r[j] = v[j] - r[j];
     u[j] = beta * r[j];
   }
-  if (o != 0)
-    for (int64_t j = 0; j < V; ++j) o[j] = 0.0f;
+  for (int64_t j = 0; j < V; ++j) o[j] = 0.0f;
   for (int64_t i = 0; i < K; ++i) {
     float key = k[i], query = q[i] * scale;
     float *restrict row = S + i * V;
 #pragma omp simd
-    for (int64_t j = 0; j < V; ++j) row[j] += key * u[j];
-    if (o != 0) {
-#pragma omp simd
-      for (int64_t j = 0; j < V; ++j) o[j] += query * row[j];
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] += key * u[j];
+      o[j] += query * row[j];
     }
   }
 }
@@ -454,76 +453,94 @@ int64_t kda_forward(const float *q, const float *k, const float *v, const float 
   return count;
 }
 
-/* One (sequence, head)'s backward, from the gradient of its final state in dS. */
+/* dst [cols, rows] <- src [rows, cols] transposed. */
+static void transpose(float *restrict dst, const float *restrict src, int64_t rows,
+                      int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+}
+
+/* One token on the transposed state (row j: value channel j, [V, K]): next <- the state after
+ * the token from prev, r <- v - S'^T k. The backward works on S^T: there the sums over key
+ * channels, which per row of S would each be a horizontal vector sum, are vector sums over
+ * rows, and one row at a time carries the whole token. */
+static inline __attribute__((always_inline)) void kda_token_transposed(
+    float *restrict next, const float *restrict prev, const float *restrict k,
+    const float *restrict v, float beta, const float *restrict decay, float *restrict r,
+    int64_t K, int64_t V) {
+  for (int64_t j = 0; j < V; ++j) {
+    float *restrict row = next + j * K;
+    const float *restrict before = prev + j * K;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < K; ++i) {
+      row[i] = before[i] * decay[i];
+      dot += row[i] * k[i];
+    }
+    r[j] = v[j] - dot;
+    float u = beta * r[j];
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) row[i] += u * k[i];
+  }
+}
+
+/* One (sequence, head)'s backward, from the gradient of its final state, transposed, in dT
+ * ([V, K], as the states here). */
 static inline __attribute__((always_inline)) void kda_backward_item(
     const float *q, const float *k, const float *v, const float *g, const float *beta,
     const float *checkpoints, int64_t start, int64_t end, int64_t h, int64_t H, float scale,
     float floor, int64_t segment, const float *grad_o, float *dq, float *dk, float *dv,
-    float *dg, float *dbeta, float *dS, float *work, const int64_t K, const int64_t V) {
-  float *states = work, *rs = states + segment * K * V;  /* [segment, K, V], [segment, V] */
-  float *u = rs + segment * V, *du = u + V, *dp = du + V, *decay = dp + V;
+    float *dg, float *dbeta, float *dT, float *work, const int64_t K, const int64_t V) {
+  /* states [segment + 1, V, K]: the one entering the segment, then after each token. */
+  float *states = work, *rs = states + (segment + 1) * K * V;  /* rs [segment, V] */
+  float *decay = rs + segment * V, *dq_t = decay + K, *dk_t = dq_t + K, *dg_t = dk_t + K;
   for (int64_t c = (end - start + segment - 1) / segment - 1; c >= 0; --c) {
     int64_t a0 = start + c * segment, a1 = a0 + segment < end ? a0 + segment : end;
-    const float *checkpoint = checkpoints + c * H * K * V;
-    const float *before = checkpoint;
+    transpose(states, checkpoints + c * H * K * V, K, V);
     for (int64_t t = a0; t < a1; ++t) {  /* the segment's states, recomputed */
       int64_t x = t * H + h;
-      float *S = states + (t - a0) * K * V;
-      copy_floats(S, before, K * V);
-      kda_token(S, q + x * K, k + x * K, v + x * V, g + x * K, beta[x], scale, floor, decay,
-                rs + (t - a0) * V, u, 0, K, V);
-      before = S;
+      token_decay(g + x * K, floor, decay, K);
+      kda_token_transposed(states + (t - a0 + 1) * K * V, states + (t - a0) * K * V, k + x * K,
+                           v + x * V, beta[x], decay, rs + (t - a0) * V, K, V);
     }
     for (int64_t t = a1 - 1; t >= a0; --t) {
       int64_t x = t * H + h;
-      const float *S = states + (t - a0) * K * V, *r = rs + (t - a0) * V;
-      const float *prev = t > a0 ? S - K * V : checkpoint;
-      const float *qt = q + x * K, *kt = k + x * K, *gt = g + x * K, *dot = grad_o + x * V;
-      float b = beta[x];
+      const float *after = states + (t - a0 + 1) * K * V, *before = after - K * V;
+      const float *r = rs + (t - a0) * V, *qt = q + x * K, *kt = k + x * K, *gt = g + x * K;
+      const float *dot = grad_o + x * V;
+      float b = beta[x], dbeta_t = 0.0f;
       token_decay(gt, floor, decay, K);
+      for (int64_t i = 0; i < K; ++i) dq_t[i] = dk_t[i] = dg_t[i] = 0.0f;
       for (int64_t j = 0; j < V; ++j) {
-        u[j] = b * r[j];
-        du[j] = 0.0f;
-      }
-      /* o = S^T (scale q) and S = S' + k u^T: dS += scale q do^T, then du = dS^T k and
-       * dk = dS u. */
-      for (int64_t i = 0; i < K; ++i) {
-        float query = qt[i] * scale, key = kt[i], dquery = 0.0f, dkey = 0.0f;
-        const float *row = S + i * V;
-        float *drow = dS + i * V;
-#pragma omp simd reduction(+ : dquery, dkey)
-        for (int64_t j = 0; j < V; ++j) {
-          dquery += row[j] * dot[j];
-          drow[j] += query * dot[j];
-          du[j] += key * drow[j];
-          dkey += drow[j] * u[j];
+        const float *row = after + j * K, *row_before = before + j * K;
+        float *drow = dT + j * K;
+        float d_out = dot[j], scaled_d_out = scale * dot[j], u = b * r[j], du = 0.0f;
+        /* o = S^T (scale q) and S = S' + k u^T: dS += scale q do^T, du = dS^T k, dk = dS u. */
+#pragma omp simd reduction(+ : du)
+        for (int64_t i = 0; i < K; ++i) {
+          dq_t[i] += d_out * row[i];
+          drow[i] += scaled_d_out * qt[i];
+          du += drow[i] * kt[i];
+          dk_t[i] += u * drow[i];
         }
-        dq[x * K + i] = dquery * scale;
-        dk[x * K + i] = dkey;
-      }
-      /* u = beta (v - S'^T k). */
-      float dbeta_t = 0.0f;
-      for (int64_t j = 0; j < V; ++j) {
-        dbeta_t += du[j] * r[j];
-        dv[x * V + j] = b * du[j];
-        dp[j] = -b * du[j];
+        /* u = beta (v - S'^T k): dv, dbeta, and dp = -beta du for S' = Diag(exp(G)) S_prev:
+         * dS' = dS + k dp^T, dk += S' dp, dG += rows of dS' * S', dS_prev = Diag(exp(G)) dS'. */
+        float dp = -b * du;
+        dv[x * V + j] = b * du;
+        dbeta_t += du * r[j];
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) {
+          float decayed = row_before[i] * decay[i], d = drow[i] + kt[i] * dp;
+          dk_t[i] += dp * decayed;
+          dg_t[i] += d * decayed;
+          drow[i] = decay[i] * d;
+        }
       }
       dbeta[x] = dbeta_t;
-      /* S' = Diag(exp(G)) prev: dS' = dS + k dp^T, dk += S' dp, dG = rows of dS' * S', and
-       * dS <- Diag(exp(G)) dS' for the token before. */
       for (int64_t i = 0; i < K; ++i) {
-        float row_decay = decay[i], key = kt[i], dkey = 0.0f, dgate = 0.0f;
-        const float *row = prev + i * V;
-        float *drow = dS + i * V;
-#pragma omp simd reduction(+ : dkey, dgate)
-        for (int64_t j = 0; j < V; ++j) {
-          float decayed = row[j] * row_decay, d = drow[j] + key * dp[j];
-          dkey += decayed * dp[j];
-          dgate += d * decayed;
-          drow[j] = row_decay * d;
-        }
-        dk[x * K + i] += dkey;
-        dg[x * K + i] = gt[i] < floor ? 0.0f : dgate;  /* no gradient where G held g */
+        dq[x * K + i] = scale * dq_t[i];
+        dk[x * K + i] = dk_t[i];
+        dg[x * K + i] = gt[i] < floor ? 0.0f : dg_t[i];  /* no gradient where G held g */
       }
     }
   }
@@ -531,7 +548,7 @@ static inline __attribute__((always_inline)) void kda_backward_item(
 
 /* The gradients of q, k, v, g, beta (token-major like them) and, where `grad_initial` is given,
  * of the initial states, from those of o and of the final states (NULL: zero). `first` [N + 1]
- * and `work` [threads, (segment + 1) K V + (segment + 3) V + K] are scratch. */
+ * and `work` [threads, (segment + 2) K V + segment V + 4 K] are scratch. */
 void kda_backward(const float *q, const float *k, const float *v, const float *g,
                   const float *beta, const float *checkpoints, const int64_t *bounds, int64_t N,
                   int64_t tokens, int64_t H, int64_t K, int64_t V, float scale, float floor,
@@ -539,22 +556,22 @@ void kda_backward(const float *q, const float *k, const float *v, const float *g
                   float *dk, float *dv, float *dg, float *dbeta, float *grad_initial,
                   int64_t *first, float *work, int threads) {
   checkpoint_starts(bounds, N, tokens, segment, first); /* checked by the forward */
-  int64_t per_thread = (segment + 1) * K * V + (segment + 3) * V + K;
+  int64_t per_thread = (segment + 2) * K * V + segment * V + 4 * K;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (N * H > 1)
   for (int64_t item = 0; item < N * H; ++item) {
     int64_t n = item / H, h = item % H;
     float *thread_work = work + omp_get_thread_num() * per_thread;
-    float *dS = thread_work + per_thread - K * V;  /* the gradient of the running state */
+    float *dT = thread_work + per_thread - K * V;  /* the running state's gradient, [V, K] */
     if (grad_final != 0)
-      copy_floats(dS, grad_final + item * K * V, K * V);
+      transpose(dT, grad_final + item * K * V, K, V);
     else
-      zero_floats(dS, K * V);
+      zero_floats(dT, K * V);
 #define BACKWARD_ITEM(K_, V_)                                                                  \
   kda_backward_item(q, k, v, g, beta, checkpoints + (first[n] * H + h) * K * V, bounds[n],      \
                     bounds[n + 1], h, H, scale, floor, segment, grad_o, dq, dk, dv, dg, dbeta,  \
-                    dS, thread_work, K_, V_)
+                    dT, thread_work, K_, V_)
     FOR_HEAD_SIZES(BACKWARD_ITEM);
 #undef BACKWARD_ITEM
-    if (grad_initial != 0) copy_floats(grad_initial + item * K * V, dS, K * V);
+    if (grad_initial != 0) transpose(grad_initial + item * K * V, dT, V, K);
   }
 }
