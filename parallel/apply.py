@@ -52,7 +52,7 @@ from .expert_parallel import (
     clip_grad_norm_expert_parallel,
     mark_expert_parameters,
 )
-from .grad_norm import squared_grad_norm
+from .grad_norm import scale_grads_, squared_grad_norm
 from .muon_exchange import DTensorExchange
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
 
@@ -181,9 +181,7 @@ class ParallelPlan:
         params = [p for p in self.model.parameters() if p.grad is not None]
         total = self.sum_over_stages(squared_grad_norm([p.grad for p in params])).sqrt()
         if math.isfinite(max_norm):
-            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            scale_grads_([p.grad for p in params], (max_norm / (total + 1e-6)).clamp(max=1.0))
         return total
 
     def after_optimizer_step(self) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from model.k3 import K3Model
 from parallel.data_parallel import allreduce_gradients
-from parallel.grad_norm import squared_grad_norm
+from parallel.grad_norm import scale_grads_, squared_grad_norm
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.dynamic import DynamicDispatcher
 from parallel.moonep.transport import (
@@ -97,9 +97,7 @@ def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
     dist.all_reduce(expert_sq, group=ep_group)
     dense = [p.grad for p in params if not is_expert_parameter(p)]
     total = (squared_grad_norm(dense) + expert_sq).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(_local(p.grad).dtype))
+    scale_grads_([p.grad for p in params], (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _NO_DECAY_SUFFIXES = ("a_log", "decay_bias", "query", "norm_weight", "conv.weight",
                       "pos_table", "time_table")
@@ -89,6 +90,14 @@ def _cpu_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.
     return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
 
 
+def _torch_adamw(groups: list[dict], **kwargs) -> torch.optim.AdamW:
+    """torch's AdamW, fused (one kernel over all tensors, where the default on a CPU is a loop
+    of about ten operators per tensor: 2 ms of the CPU demo's step against 9 ms) unless a
+    parameter is a DTensor, whose fused update refuses the optimizer's plain step counters."""
+    sharded = any(isinstance(p, DTensor) for group in groups for p in group["params"])
+    return torch.optim.AdamW(groups, fused=None if sharded else True, **kwargs)
+
+
 def build_optimizer(model: nn.Module, cfg, owns=None, exchange=None
                     ) -> list[torch.optim.Optimizer]:
     """AdamW alone (optim.name=adamw), or Muon for hidden matrices plus AdamW for the rest
@@ -101,7 +110,7 @@ def build_optimizer(model: nn.Module, cfg, owns=None, exchange=None
     if owns is not None:
         roles = {role: [(n, p) for n, p in named if owns(n)] for role, named in roles.items()}
     adamw_kwargs = dict(betas=tuple(cfg.betas), eps=cfg.eps)
-    adamw = _cpu_adamw if cfg.offload == "cpu" else torch.optim.AdamW
+    adamw = _cpu_adamw if cfg.offload == "cpu" else _torch_adamw
     if cfg.name == "adamw":
         groups = _adamw_groups(roles, cfg, 1.0, True)
         return [adamw(groups, lr=cfg.lr, **adamw_kwargs)] if groups else []
