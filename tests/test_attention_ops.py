@@ -1,6 +1,8 @@
 """doc_causal_attention / segment_attention: the blockwise and sdpa backends against the dense
 reference (outputs, gradients, max logit), packed documents against each document alone, the
-varlen wrapper's plumbing, static shapes, and the blockwise backend's memory at 64K tokens."""
+varlen wrapper's plumbing, static shapes, and the blockwise backend's memory at 64K tokens.
+The blockwise backend runs in both its forms: the native kernel that fp32 CPU tensors take
+(model/ops/native.py) and the torch tiles (`blockwise_torch`)."""
 
 import json
 import subprocess
@@ -12,6 +14,7 @@ import torch
 
 import model.ops.attention as attention
 from model.batch import cu_seqlens_from_lengths, segment_ids
+from model.ops import native
 from model.ops.attention import doc_causal_attention, offset_doc_causal_attention, segment_attention
 from tests.static_shapes import assert_static, record
 from tests.tolerances import assert_close_rms
@@ -25,11 +28,17 @@ ROWS = [[10, 0, 53, 37], [100]]
 LAYOUTS = {"packed": ROWS, "no_cu_seqlens": None}
 
 
+# The blockwise backend with the native kernels off: its torch tiles.
+BLOCKWISE_TORCH = pytest.param("blockwise", marks=pytest.mark.torch_tiles, id="blockwise_torch")
+
+
 @pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
+def small_tiles(monkeypatch, request):
     """Several query and key tiles at T=100; key tiles not aligned with query tiles."""
     monkeypatch.setattr(attention, "BLOCK_Q", 16)
     monkeypatch.setattr(attention, "BLOCK_K", 40)
+    with native.native_kernels(request.node.get_closest_marker("torch_tiles") is None):
+        yield
 
 
 def make_qkv(dqk=DQK, dv=DV):
@@ -58,7 +67,7 @@ def forward_backward(q, k, v, cu_seqlens, backend, do, causal=True, seqlens=None
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dqk, dv", [(DQK, DV), (DV, DQK)], ids=["dv<dqk", "dv>dqk"])
-@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "segments"])
+@pytest.mark.parametrize("backend", ["blockwise", BLOCKWISE_TORCH, "sdpa", "segments"])
 def test_backend_matches_reference_with_grads(backend, dqk, dv, layout, causal):
     q, k, v = make_qkv(dqk, dv)
     do = torch.randn(B, T, H, dv)
@@ -71,7 +80,8 @@ def test_backend_matches_reference_with_grads(backend, dqk, dv, layout, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
-@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "segments", "reference"])
+@pytest.mark.parametrize("backend", ["blockwise", BLOCKWISE_TORCH, "sdpa", "segments",
+                                     "reference"])
 def test_packed_documents_equal_each_document_alone(backend, causal):
     q, k, v = make_qkv()
     do = torch.randn(B, T, H, DV)
@@ -93,7 +103,7 @@ def test_packed_documents_equal_each_document_alone(backend, causal):
                 assert_close_rms(x, packed[name][row:row + 1, doc], TOL, f"{name} row {row}")
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["blockwise", BLOCKWISE_TORCH, "sdpa", "reference"])
 def test_max_logit_is_the_largest_allowed_logit(backend):
     q, k, v = (x.detach() for x in make_qkv())
     # Planted forbidden logits: a future key in another document, a past key in another one.
@@ -119,7 +129,7 @@ def test_max_logit_is_the_largest_allowed_logit(backend):
     assert (unmasked > expected).all()
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["blockwise", BLOCKWISE_TORCH, "sdpa", "reference"])
 def test_one_document_per_row_is_plain_causal_attention(backend):
     q, k, v = (x.detach() for x in make_qkv())
     whole_rows = cu_seqlens_from_lengths([[T]] * B, T)
@@ -202,7 +212,7 @@ def test_unknown_backend_is_rejected():
 
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "reference"])
+@pytest.mark.parametrize("backend", ["blockwise", BLOCKWISE_TORCH, "reference"])
 @pytest.mark.parametrize("q_offset, q_len", [(0, 30), (37, 41), (64, 36)])
 def test_offset_queries_equal_their_rows_of_full_attention(backend, q_offset, q_len):
     """A fragment of queries (a context-parallel rank's) against the keys up to its end equals

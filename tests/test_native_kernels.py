@@ -232,6 +232,34 @@ def test_kda_recurrence_rejects_invalid_document_bounds():
             kda_chunk(*inputs, cu_seqlens=torch.tensor(bad))
 
 
+def _attention_inputs(B=2, T=300, H=2):
+    q, k = (torch.randn(B, H, T, 24) for _ in range(2))
+    v = torch.randn(B, H, T, 16)
+    segments = torch.repeat_interleave(torch.tensor([0.0, 1, 2]), torch.tensor([90, 10, 200]))
+    return q, k, v, segments.expand(B, T).contiguous()
+
+
+def test_attention_leaves_unsorted_document_ids_and_long_rows_to_the_tiles(monkeypatch):
+    from model.ops import attention
+
+    q, k, v, segments = _attention_inputs()
+    assert native.attention_forward(q, k, v, segments, segments, 0.2, True, 0) is not None
+    unsorted = segments.flip(-1).contiguous()
+    assert native.attention_forward(q, k, v, unsorted, unsorted, 0.2, True, 0) is None
+    calls = []
+    monkeypatch.setattr(native, "attention_forward",
+                        lambda *a: calls.append(a[0].shape) or None)
+    o_tiles, _ = attention._BlockwiseAttention.apply(q, k, v, unsorted, unsorted, 0.2, True, 0)
+    monkeypatch.setattr(attention, "NATIVE_MAX_KEYS", 299)
+    attention._BlockwiseAttention.apply(q, k, v, segments, segments, 0.2, True, 0)
+    assert len(calls) == 1  # the 300-key rows never reached the kernel
+    monkeypatch.undo()
+    with native.native_kernels(False):
+        expected, _ = attention._BlockwiseAttention.apply(q, k, v, unsorted, unsorted, 0.2,
+                                                          True, 0)
+    assert torch.equal(o_tiles, expected)
+
+
 def test_results_do_not_depend_on_the_thread_count():
     torch.manual_seed(0)
     gate, up = torch.randn(2, 512, 256) * 4  # above the kernels' parallel grain
@@ -248,6 +276,11 @@ def test_results_do_not_depend_on_the_thread_count():
     kda = _kda(kda_cu_seqlens)
     cases.append((lambda *a: torch.cat([o.flatten() for o in kda(*a)]),
                   _kda_inputs(400, 2, 32, 32, 4), torch.randn(400 * 2 * 32 + 4 * 2 * 32 * 32)))
+    from model.ops.attention import _BlockwiseAttention
+
+    q, k, v, ids = _attention_inputs()
+    cases.append((lambda q, k, v: _BlockwiseAttention.apply(q, k, v, ids, ids, 0.2, True, 0)[0],
+                  (q, k, v), torch.randn(2, 2, 300, 16)))
     threads = torch.get_num_threads()
     try:
         for fn, inputs, cotangent in cases:
@@ -336,12 +369,37 @@ def test_without_a_compiler_the_torch_forms_run_after_one_warning(monkeypatch):
                                           "native CPU kernels unavailable.*/nonexistent/cc")
 
 
-def test_a_temporary_directory_that_cannot_be_made_leaves_the_torch_forms(monkeypatch):
-    def refuse(prefix):
-        raise PermissionError(f"[Errno 13] Permission denied: '/tmp/{prefix}x'")
+def test_a_cache_directory_that_cannot_be_made_leaves_the_torch_forms(monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("K3_NATIVE_CACHE", str(tmp_path / "file" / "cache"))
+    _assert_torch_forms_after_one_warning(monkeypatch, "building them failed.*Not a directory")
 
-    monkeypatch.setattr(native.tempfile, "TemporaryDirectory", refuse)
-    _assert_torch_forms_after_one_warning(monkeypatch, "building them failed.*Permission denied")
+
+def test_a_cache_directory_of_others_is_not_used(monkeypatch, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # what a umask would have kept back
+    monkeypatch.setenv("K3_NATIVE_CACHE", str(shared))
+    _assert_torch_forms_after_one_warning(monkeypatch, "is not this user's own directory")
+
+
+def test_the_next_process_loads_the_built_library_without_compiling(monkeypatch, tmp_path):
+    monkeypatch.setenv("K3_NATIVE_CACHE", str(tmp_path))
+    native._library.cache_clear()
+    try:
+        assert native.available()
+        built = list(tmp_path.iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"  # no partial file left behind
+
+        def no_compiler(*args, **kwargs):
+            raise AssertionError("compiled again")
+
+        monkeypatch.setattr(native.subprocess, "run", no_compiler)
+        native._library.cache_clear()
+        assert native.available()
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
 
 
 def test_a_library_that_does_not_load_leaves_the_torch_forms(monkeypatch):

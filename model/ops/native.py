@@ -1,10 +1,11 @@
-"""C kernels for the element-wise chains of fp32 CPU training, on by default.
+"""C kernels for fp32 CPU training, on by default: the element-wise chains, the KDA recurrence
+and attention over documents.
 
 Eager torch makes one pass over memory per operator, and at small widths its per-operator cost
-is most of a CPU step (benchmarks/RESULTS.md: the demo's step by model width). These chains are
-one loop each in `native_kernels.c`, plain C without torch headers: the system C compiler builds
-it into a temporary directory the first time a process needs it (a fraction of a second, unlike
-inductor's compile of `fused_kernels`), and ctypes calls it with the GIL released. Where it
+is most of a CPU step (benchmarks/RESULTS.md: the demo's step by model width). These are loops
+in `native_kernels.c`, plain C without torch headers: the system C compiler builds it the first
+time a process needs it (about 2 s, unlike inductor's compile of `fused_kernels`) into a cache
+directory that the next processes load from, and ctypes calls it with the GIL released. Where it
 cannot run (no compiler, other dtypes or devices, tensor subclasses such as DTensor, tracing by
 torch.compile) the callers use their torch forms; `K3_NATIVE_KERNELS=0` turns them off. The
 plain references stay the definition: tests/test_native_kernels.py holds these to them.
@@ -15,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -55,8 +58,14 @@ _SIGNATURES = {
                    + [ctypes.c_int64] + [_F32_P] * 3 + [_I64_P, _F32_P, ctypes.c_int],
     "kda_backward": [_F32_P] * 6 + [_I64_P] + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
                     + [ctypes.c_int64] + [_F32_P] * 8 + [_I64_P, _F32_P, ctypes.c_int],
+    "attention_forward": [_F32_P] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int,
+                                                                  ctypes.c_int64]
+                         + [_F32_P] * 4 + [ctypes.c_int],
+    "attention_backward": [_F32_P] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int,
+                                                                   ctypes.c_int64]
+                          + [_F32_P] * 4 + [ctypes.c_int],
 }
-_RESULTS = {"kda_forward": ctypes.c_int64}
+_RESULTS = {"kda_forward": ctypes.c_int64, "attention_forward": ctypes.c_int64}
 # Rows per block of a weight gradient's sum over rows (see native_kernels.c).
 _BLOCK_ROWS = 64
 
@@ -80,25 +89,68 @@ def available() -> bool:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
+    compiler_path = shutil.which(compiler)
+    if compiler_path is None:
         return _unavailable(f"no C compiler {compiler!r} (set CC or install gcc)")
-    try:  # a temporary directory that cannot be made, a compiler that cannot run
-        with tempfile.TemporaryDirectory(prefix="k3-native-") as tmp:
-            built = Path(tmp) / "k3_native_kernels.so"
-            cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                return _unavailable(f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}")
-            try:  # e.g. a C library without glibc's vector math functions
-                lib = ctypes.CDLL(str(built))  # mapped: the file can go with the directory
-            except OSError as err:
-                return _unavailable(f"the built library does not load: {err}")
+    try:  # a cache directory that cannot be made, a compiler that cannot run
+        cache = _cache_dir()
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = cache.stat()
+        if owner.st_uid != os.getuid() or owner.st_mode & 0o022:
+            return _unavailable(f"{cache} is not this user's own directory (set "
+                                f"K3_NATIVE_CACHE to one)")
+        built = cache / f"k3_native_kernels-{_build_key(compiler_path)}.so"
+        if not built.exists():
+            error = _build(compiler, built)
+            if error is not None:
+                return _unavailable(error)
+        try:  # e.g. a C library without glibc's vector math functions
+            lib = ctypes.CDLL(str(built))
+        except OSError as err:
+            return _unavailable(f"the built library does not load: {err}")
     except OSError as err:
         return _unavailable(f"building them failed: {err}")
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = _RESULTS.get(name)
     return lib
+
+
+def _cache_dir() -> Path:
+    """Where built libraries stay for the next process (a build takes about 2 s):
+    K3_NATIVE_CACHE, else this user's directory in the machine's temporary directory (local to
+    the node, as the -march=native build must be)."""
+    configured = os.environ.get("K3_NATIVE_CACHE")
+    return Path(configured or Path(tempfile.gettempdir()) / f"k3-native-{os.getuid()}")
+
+
+def _build_key(compiler_path: str) -> str:
+    """The source, flags, compiler and CPU a library was built from: a change builds anew."""
+    cpu = Path("/proc/cpuinfo")
+    flags = [line for line in cpu.read_text().splitlines()
+             if line.startswith("flags")][:1] if cpu.exists() else []
+    stat = os.stat(compiler_path)
+    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest.update(repr((_FLAGS, compiler_path, stat.st_size, stat.st_mtime_ns,
+                        platform.machine(), flags)).encode())
+    return digest.hexdigest()[:24]
+
+
+def _build(compiler: str, built: Path) -> str | None:
+    """Compiles into `built` (written whole under another name, then renamed: processes that
+    build at once each get a complete library); the error, or None."""
+    fd, partial = tempfile.mkstemp(dir=built.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", partial, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            return f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}"
+        os.replace(partial, built)
+        return None
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def _unavailable(why: str) -> None:
@@ -398,3 +450,55 @@ def kda_backward(q, k, v, g, beta, checkpoints, bounds, scale: float, floor: flo
         _ptr(dq), _ptr(dk), _ptr(dv), _ptr(dg), _ptr(dbeta), _optional_ptr(grad_initial),
         _ids_ptr(first), _ptr(work), threads)
     return dq, dk, dv, dg, dbeta, grad_initial
+
+
+def attention_forward(q, k, v, q_segments, k_segments, scale: float, causal: bool,
+                      q_offset: int):
+    """(o [B, H, T, Dv], lse [B, H, T], row_max [B, H, T]) of model/ops/attention.py's
+    _BlockwiseAttention forward for fp32 CPU q, k [B, H, T(k), D], v [B, H, Tk, Dv] and fp32
+    segment ids [B, T], [B, Tk] (or both None), computing only the keys each query attends;
+    None where the native kernel does not apply (or the ids are not sorted along a row)."""
+    operands = _attention_operands(q, k, v, q_segments, k_segments)
+    if operands is None:
+        return None
+    q, k, v, q_segments, k_segments = operands
+    B, H, T, D = q.shape
+    Tk, Dv = k.shape[2], v.shape[3]
+    o = torch.empty(B, H, T, Dv)
+    lse, row_max = torch.empty(B, H, T), torch.empty(B, H, T)
+    threads = torch.get_num_threads()
+    work = torch.empty(threads, D + D * Tk + Tk)
+    status = _library().attention_forward(
+        _ptr(q), _ptr(k), _ptr(v), _optional_ptr(q_segments), _optional_ptr(k_segments), B, H,
+        T, Tk, D, Dv, scale, causal, q_offset, _ptr(o), _ptr(lse), _ptr(row_max), _ptr(work),
+        threads)
+    return None if status < 0 else (o, lse, row_max)
+
+
+def attention_backward(q, k, v, q_segments, k_segments, o, lse, grad_o, scale: float,
+                       causal: bool, q_offset: int):
+    """(dq, dk, dv) of attention_forward from the gradient of o; None where it does not
+    apply."""
+    operands = _attention_operands(q, k, v, q_segments, k_segments)
+    if operands is None or not _usable(o, lse, grad_o):
+        return None
+    q, k, v, q_segments, k_segments = operands
+    B, H, T, D = q.shape
+    Tk, Dv = k.shape[2], v.shape[3]
+    o, lse, grad_o = (x.contiguous() for x in (o, lse, grad_o))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    threads = torch.get_num_threads()
+    work = torch.empty(threads, 2 * D + (D + Dv) * Tk + 2 * Tk)
+    _library().attention_backward(
+        _ptr(q), _ptr(k), _ptr(v), _optional_ptr(q_segments), _optional_ptr(k_segments),
+        _ptr(o), _ptr(lse), _ptr(grad_o), B, H, T, Tk, D, Dv, scale, causal, q_offset,
+        _ptr(dq), _ptr(dk), _ptr(dv), _ptr(work), threads)
+    return dq, dk, dv
+
+
+def _attention_operands(q, k, v, q_segments, k_segments):
+    tensors = [q, k, v] + ([] if q_segments is None else [q_segments, k_segments])
+    if q.dim() != 4 or not _usable(*tensors):
+        return None
+    return tuple(None if x is None else x.contiguous()
+                 for x in (q, k, v, q_segments, k_segments))

@@ -14,6 +14,8 @@
 float expf(float) __attribute__((simd("notinbranch"), const, nothrow));
 float tanhf(float) __attribute__((simd("notinbranch"), const, nothrow));
 float sqrtf(float) __attribute__((const, nothrow));
+float logf(float) __attribute__((const, nothrow));
+#define NEG_INF (-__builtin_inff())
 
 /* Below this many elements a second thread costs more to wake than it saves (ATen's grain). */
 #define PARALLEL_GRAIN 32768
@@ -573,5 +575,165 @@ void kda_backward(const float *q, const float *k, const float *v, const float *g
     FOR_HEAD_SIZES(BACKWARD_ITEM);
 #undef BACKWARD_ITEM
     if (grad_initial != 0) transpose(grad_initial + item * K * V, dT, V, K);
+  }
+}
+
+/* Attention over documents (model/ops/attention.py _BlockwiseAttention, the same softmax per
+ * query): q [BH, T, D], k [BH, Tk, D], v [BH, Tk, Dv] contiguous per (row, head) item, segment
+ * ids q_seg [B, T] and k_seg [B, Tk] (NULL: one segment per row), non-decreasing along each
+ * row. Query i attends key j when their ids match and, with `causal`, j <= q_offset + i: one
+ * contiguous range of keys, so only those are computed (the torch tiles compute and mask whole
+ * tiles). Each item is one thread's work, queries in order: results do not depend on the
+ * thread count. */
+
+/* 0 where every row's ids are non-decreasing, else -1. */
+static int check_sorted(const float *seg, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 1; i < n; ++i)
+      if (!(seg[r * n + i - 1] <= seg[r * n + i])) return -1;
+  return 0;
+}
+
+/* The first index in sorted[0, n) whose value is >= x (upper: > x). */
+static int64_t bound(const float *sorted, int64_t n, float x, int upper) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    int64_t mid = (lo + hi) / 2;
+    if (upper ? sorted[mid] <= x : sorted[mid] < x)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/* The keys [*lo, *hi) query i of row b attends. */
+static void key_range(const float *q_seg, const float *k_seg, int64_t b, int64_t i, int64_t T,
+                      int64_t Tk, int causal, int64_t q_offset, int64_t *lo, int64_t *hi) {
+  int64_t end = causal && q_offset + i + 1 < Tk ? q_offset + i + 1 : Tk;
+  *lo = 0;
+  *hi = end;
+  if (q_seg != 0) {
+    float id = q_seg[b * T + i];
+    const float *row = k_seg + b * Tk;
+    int64_t first = bound(row, Tk, id, 0), last = bound(row, Tk, id, 1);
+    *lo = first;
+    *hi = last < end ? last : end;
+  }
+  if (*hi < *lo) *hi = *lo;
+}
+
+/* scores[j] = (scale q) . k_{lo + j} from the transposed keys kt [D, Tk]. */
+static void attention_scores(const float *restrict q_scaled, const float *restrict kt,
+                             int64_t lo, int64_t n, int64_t D, int64_t Tk,
+                             float *restrict scores) {
+  for (int64_t j = 0; j < n; ++j) scores[j] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    float x = q_scaled[d];
+    const float *restrict keys = kt + d * Tk + lo;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) scores[j] += x * keys[j];
+  }
+}
+
+/* o [BH, T, Dv], lse and row_max [BH, T] (the logsumexp and the max of each query's allowed
+ * logits, -inf where it has none; o is then 0 / 0 as in the torch tiles). `work` [threads,
+ * D + D Tk + Tk] is scratch. Returns -1, writing nothing, where ids are not sorted. */
+int64_t attention_forward(const float *q, const float *k, const float *v, const float *q_seg,
+                          const float *k_seg, int64_t B, int64_t H, int64_t T, int64_t Tk,
+                          int64_t D, int64_t Dv, float scale, int causal, int64_t q_offset,
+                          float *o, float *lse, float *row_max, float *work, int threads) {
+  if (q_seg != 0 && (check_sorted(q_seg, B, T) || check_sorted(k_seg, B, Tk))) return -1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (B * H > 1)
+  for (int64_t item = 0; item < B * H; ++item) {
+    float *q_scaled = work + omp_get_thread_num() * (D + D * Tk + Tk);
+    float *kt = q_scaled + D, *scores = kt + D * Tk;
+    transpose(kt, k + item * Tk * D, Tk, D);
+    const float *values = v + item * Tk * Dv;
+    for (int64_t i = 0; i < T; ++i) {
+      int64_t lo, hi, x = item * T + i;
+      key_range(q_seg, k_seg, item / H, i, T, Tk, causal, q_offset, &lo, &hi);
+      int64_t n = hi - lo;
+      for (int64_t d = 0; d < D; ++d) q_scaled[d] = q[x * D + d] * scale;
+      attention_scores(q_scaled, kt, lo, n, D, Tk, scores);
+      float m = NEG_INF, denom = 0.0f;
+      for (int64_t j = 0; j < n; ++j) m = scores[j] > m ? scores[j] : m;
+      float shift = m == NEG_INF ? 0.0f : m;
+#pragma omp simd reduction(+ : denom)
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = expf(scores[j] - shift);
+        denom += scores[j];
+      }
+      float *out = o + x * Dv;
+      for (int64_t e = 0; e < Dv; ++e) out[e] = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        float p = scores[j];
+        const float *restrict row = values + (lo + j) * Dv;
+#pragma omp simd
+        for (int64_t e = 0; e < Dv; ++e) out[e] += p * row[e];
+      }
+      for (int64_t e = 0; e < Dv; ++e) out[e] /= denom;
+      lse[x] = m + logf(denom);
+      row_max[x] = m;
+    }
+  }
+  return 0;
+}
+
+/* dq, dk, dv (zeroed here) from do [BH, T, Dv] and the forward's o and lse (FlashAttention-2's
+ * backward: P recomputed from lse, dS = P (dP - rowsum(dO O))). `work` [threads,
+ * 2 D + (D + Dv) Tk + 2 Tk] is scratch. */
+void attention_backward(const float *q, const float *k, const float *v, const float *q_seg,
+                        const float *k_seg, const float *o, const float *lse,
+                        const float *grad_o, int64_t B, int64_t H, int64_t T, int64_t Tk,
+                        int64_t D, int64_t Dv, float scale, int causal, int64_t q_offset,
+                        float *dq, float *dk, float *dv, float *work, int threads) {
+  int64_t per_thread = 2 * D + (D + Dv) * Tk + 2 * Tk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (B * H > 1)
+  for (int64_t item = 0; item < B * H; ++item) {
+    float *q_scaled = work + omp_get_thread_num() * per_thread, *dq_row = q_scaled + D;
+    float *kt = dq_row + D, *vt = kt + D * Tk, *p = vt + Dv * Tk, *ds = p + Tk;
+    const float *keys = k + item * Tk * D, *values = v + item * Tk * Dv;
+    float *dkeys = dk + item * Tk * D, *dvalues = dv + item * Tk * Dv;
+    transpose(kt, keys, Tk, D);
+    transpose(vt, values, Tk, Dv);
+    zero_floats(dkeys, Tk * D);
+    zero_floats(dvalues, Tk * Dv);
+    for (int64_t i = 0; i < T; ++i) {
+      int64_t lo, hi, x = item * T + i;
+      key_range(q_seg, k_seg, item / H, i, T, Tk, causal, q_offset, &lo, &hi);
+      int64_t n = hi - lo;
+      const float *d_out = grad_o + x * Dv, *out = o + x * Dv;
+      float delta = 0.0f, row_lse = lse[x];
+      for (int64_t e = 0; e < Dv; ++e) delta += d_out[e] * out[e];
+      for (int64_t d = 0; d < D; ++d) q_scaled[d] = q[x * D + d] * scale;
+      attention_scores(q_scaled, kt, lo, n, D, Tk, p);
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) p[j] = expf(p[j] - row_lse);
+      /* dP = dO V^T over the range, from the transposed values vt [Dv, Tk]. */
+      for (int64_t j = 0; j < n; ++j) ds[j] = 0.0f;
+      for (int64_t e = 0; e < Dv; ++e) {
+        float g = d_out[e];
+        const float *restrict column = vt + e * Tk + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) ds[j] += g * column[j];
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - delta);
+      for (int64_t d = 0; d < D; ++d) dq_row[d] = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        float pj = p[j], dsj = ds[j];
+        const float *restrict key = keys + (lo + j) * D;
+        float *restrict dkey = dkeys + (lo + j) * D, *restrict dvalue = dvalues + (lo + j) * Dv;
+#pragma omp simd
+        for (int64_t e = 0; e < Dv; ++e) dvalue[e] += pj * d_out[e];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          dq_row[d] += dsj * key[d];
+          dkey[d] += dsj * q_scaled[d];
+        }
+      }
+      for (int64_t d = 0; d < D; ++d) dq[x * D + d] = dq_row[d] * scale;
+    }
   }
 }
