@@ -44,7 +44,7 @@ class KDAConfig:
     gate_lower_bound: float = -5.0
     decay_rank: int = 128  # low-rank width of the decay logit projection
     chunk_size: int = 64
-    backend: str = "auto"  # "auto": fla's kernel on CUDA when installed
+    backend: str = "auto"  # fla on CUDA when installed, native C loops for fp32 on a CPU
 
     def validate(self, path: str = "model.kda") -> None:
         for name in ("num_heads", "head_dim", "conv_kernel", "decay_rank", "chunk_size"):

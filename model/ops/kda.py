@@ -4,12 +4,13 @@ Per head, with state S [K, V], log decay g_t [K] (<= 0), beta_t a scalar:
     S' = Diag(exp(g_t)) S_{t-1};  S_t = S' + beta_t k_t (v_t - S'^T k_t)^T;  o_t = S_t^T (scale q_t)
 
 `kda_recurrent` is the plain reference (a loop over time). `kda_chunk` is the chunkwise-parallel
-training form: fla's Triton kernel on CUDA when fla-core is installed, else the torch
-implementation below, which has static shapes (also for packed documents) and is exact for any
-gate, bounded or not. Layout (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K],
-beta [B, T, H], states [B, H, K, V], or [N, H, K, V] with `cu_seqlens` (then B == 1 and
-cu_seqlens [N + 1] must cover 0..T). Internals and states are fp32 (float64 for float64 inputs); o
-has the input dtype.
+training form: fla's Triton kernel on CUDA when fla-core is installed, the recurrence itself as
+native C loops for fp32 CPU tensors (model/ops/native.py: a head's state stays in cache, which on a
+CPU beats the chunk form), else the torch implementation below, which has static shapes (also for
+packed documents) and is exact for any gate, bounded or not. Layout (fla's): q, k [B, T, H, K], v
+[B, T, H, V], g [B, T, H, K], beta [B, T, H], states [B, H, K, V], or [N, H, K, V] with
+`cu_seqlens` (then B == 1 and cu_seqlens [N + 1] must cover 0..T). Internals and states are fp32
+(float64 for float64 inputs); o has the input dtype.
 
 Chunk form (derived from the recurrence; C tokens per chunk, S the state entering the chunk,
 Gc the inclusive cumsum of g inside the chunk):
@@ -104,13 +105,14 @@ def kda_chunk(
     lower_bound: float | None = None,
     rows: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunkwise-parallel KDA. backend: "auto" (fla on CUDA when installed, else torch),
-    "torch" or "fla". lower_bound (e.g. -5 for the K3 gate) promises g >= lower_bound; within
+    """Chunkwise-parallel KDA. backend: "auto" (fla on CUDA when installed, the native recurrence
+    for fp32 CPU tensors where the native kernels are available, else torch), "torch" (the chunk
+    form below) or "fla". lower_bound (e.g. -5 for the K3 gate) promises g >= lower_bound; within
     the safe range [-5, 0) it selects fla's safe-gate kernel and the torch path's factorised
-    sub-tiles (which clamp g at the bound). None, or a looser bound, takes the form that is
-    exact for any gate (the Kimi Linear gate). rows (with cu_seqlens) promises that the packed
-    sequence is `rows` rows of equal length each starting a document (K3Batch's layout): the
-    torch path then carries the states of the rows side by side, a shorter sequential pass."""
+    sub-tiles (which clamp g at the bound). None, or a looser bound, takes the form that is exact
+    for any gate (the Kimi Linear gate). rows (with cu_seqlens) promises that the packed sequence
+    is `rows` rows of equal length each starting a document (K3Batch's layout): the torch path then
+    carries the states of the rows side by side, a shorter sequential pass."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is invalid: must be one of {list(_BACKENDS)}")
     if chunk_size <= 0 or chunk_size % SUB_TILE:
