@@ -623,16 +623,16 @@ static void key_range(const float *q_seg, const float *k_seg, int64_t b, int64_t
   if (*hi < *lo) *hi = *lo;
 }
 
-/* scores[j] = (scale q) . k_{lo + j} from the transposed keys kt [D, Tk]. */
-static void attention_scores(const float *restrict q_scaled, const float *restrict kt,
-                             int64_t lo, int64_t n, int64_t D, int64_t Tk,
-                             float *restrict scores) {
-  for (int64_t j = 0; j < n; ++j) scores[j] = 0.0f;
+/* out[j] = x . m_{lo + j} for j < n, from the transposed rows mt [D, Tk] (the scores from the
+ * scaled query and the keys; dP from dO and the values). */
+static void dot_with_rows(const float *restrict x, const float *restrict mt, int64_t lo,
+                          int64_t n, int64_t D, int64_t Tk, float *restrict out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = 0.0f;
   for (int64_t d = 0; d < D; ++d) {
-    float x = q_scaled[d];
-    const float *restrict keys = kt + d * Tk + lo;
+    float xd = x[d];
+    const float *restrict column = mt + d * Tk + lo;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) scores[j] += x * keys[j];
+    for (int64_t j = 0; j < n; ++j) out[j] += xd * column[j];
   }
 }
 
@@ -655,7 +655,7 @@ int64_t attention_forward(const float *q, const float *k, const float *v, const 
       key_range(q_seg, k_seg, item / H, i, T, Tk, causal, q_offset, &lo, &hi);
       int64_t n = hi - lo;
       for (int64_t d = 0; d < D; ++d) q_scaled[d] = q[x * D + d] * scale;
-      attention_scores(q_scaled, kt, lo, n, D, Tk, scores);
+      dot_with_rows(q_scaled, kt, lo, n, D, Tk, scores);
       float m = NEG_INF, denom = 0.0f;
       for (int64_t j = 0; j < n; ++j) m = scores[j] > m ? scores[j] : m;
       float shift = m == NEG_INF ? 0.0f : m;
@@ -707,17 +707,10 @@ void attention_backward(const float *q, const float *k, const float *v, const fl
       float delta = 0.0f, row_lse = lse[x];
       for (int64_t e = 0; e < Dv; ++e) delta += d_out[e] * out[e];
       for (int64_t d = 0; d < D; ++d) q_scaled[d] = q[x * D + d] * scale;
-      attention_scores(q_scaled, kt, lo, n, D, Tk, p);
+      dot_with_rows(q_scaled, kt, lo, n, D, Tk, p);
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) p[j] = expf(p[j] - row_lse);
-      /* dP = dO V^T over the range, from the transposed values vt [Dv, Tk]. */
-      for (int64_t j = 0; j < n; ++j) ds[j] = 0.0f;
-      for (int64_t e = 0; e < Dv; ++e) {
-        float g = d_out[e];
-        const float *restrict column = vt + e * Tk + lo;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) ds[j] += g * column[j];
-      }
+      dot_with_rows(d_out, vt, lo, n, Dv, Tk, ds);  /* dP = dO V^T over the range */
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - delta);
       for (int64_t d = 0; d < D; ++d) dq_row[d] = 0.0f;
