@@ -45,8 +45,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def kernels_in_use(cfg: TrainConfig, precision: PrecisionPlan, device: torch.device) -> str:
-    """What runs the element-wise work of the model's autograd functions (the start-up log):
-    the native kernels take fp32 CPU tensors only."""
+    """What runs the work of the model's autograd functions, KDA and attention (the start-up
+    log): the native kernels take fp32 CPU tensors only."""
     parts = []
     if (device.type == "cpu" and precision.dtype is None and not precision.fp64
             and native.available()):

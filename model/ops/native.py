@@ -30,7 +30,8 @@ import torch
 from .fused import plain_tensors
 
 _SOURCE = Path(__file__).with_name("native_kernels.c")
-# -march=native: the library is built by and for this process's machine, never shared.
+# -march=native: the library is built by and for this machine (its cache key holds the CPU
+# flags, and the default cache directory is local to the node).
 # -fno-math-errno lets the vectoriser call libmvec's expf/tanhf; no -ffast-math (NaN and inf
 # behave as in torch).
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
