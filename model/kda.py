@@ -12,6 +12,7 @@ from torch import nn
 from .config import K3Config
 from .dtypes import upcast
 from .norms import rms_norm
+from .ops import native
 from .ops.kda import kda_chunk
 from .short_conv import ShortConv
 
@@ -26,6 +27,54 @@ def kda_gate(z: torch.Tensor, a_log: torch.Tensor, kind: str, lower_bound: float
     if kind == "lower_bound":
         return lower_bound * torch.sigmoid(a * upcast(z))
     return -a * F.softplus(upcast(z))
+
+
+# F.normalize's eps for q and k.
+NORMALIZE_EPS = 1e-6
+
+
+def kda_inputs_reference(q: torch.Tensor, k: torch.Tensor, beta_logits: torch.Tensor,
+                         z: torch.Tensor, a_log: torch.Tensor, kind: str, lower_bound: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence's inputs from the layer's projections, in plain torch ops: q and k
+    [..., H, K] L2-normalised per head, beta = sigmoid(beta_logits [..., H]) and the log decay
+    g = kda_gate(z [..., H, K], a_log [H])."""
+    q = F.normalize(upcast(q), dim=-1, eps=NORMALIZE_EPS)
+    k = F.normalize(upcast(k), dim=-1, eps=NORMALIZE_EPS)
+    return q, k, torch.sigmoid(upcast(beta_logits)), kda_gate(z, a_log, kind, lower_bound)
+
+
+class _NativeKDAInputs(torch.autograd.Function):
+    """kda_inputs_reference with K3's bounded gate as one native pass each way (fp32 CPU; about
+    a dozen torch ops and their backwards otherwise); saves only the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, beta_logits, z, a_log, lower_bound):
+        ctx.save_for_backward(q, k, beta_logits, z, a_log)
+        ctx.lower_bound = lower_bound
+        return native.kda_inputs_forward(q, k, beta_logits, z, a_log, lower_bound,
+                                         NORMALIZE_EPS)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_beta, grad_g):
+        inputs = ctx.saved_tensors
+        grads = native.kda_inputs_backward(*inputs, grad_q, grad_k, grad_beta, grad_g,
+                                           ctx.lower_bound, NORMALIZE_EPS)
+        if grads is None:  # e.g. gradients of another dtype: autograd through the reference
+            with torch.enable_grad():
+                leaves = [x.detach().requires_grad_() for x in inputs]
+                outs = kda_inputs_reference(*leaves, "lower_bound", ctx.lower_bound)
+                grads = torch.autograd.grad(outs, leaves, (grad_q, grad_k, grad_beta, grad_g))
+        return *grads, None
+
+
+def kda_inputs(q: torch.Tensor, k: torch.Tensor, beta_logits: torch.Tensor, z: torch.Tensor,
+               a_log: torch.Tensor, kind: str, lower_bound: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kda_inputs_reference; the native kernels where they apply (model/ops/native.py)."""
+    if kind == "lower_bound" and native.kda_inputs_usable(q, k, beta_logits, z, a_log):
+        return _NativeKDAInputs.apply(q, k, beta_logits, z, a_log, lower_bound)
+    return kda_inputs_reference(q, k, beta_logits, z, a_log, kind, lower_bound)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -87,11 +136,9 @@ class KimiDeltaAttention(nn.Module):
         q = self.q_conv(self.q_proj(x), segments).view(heads)
         k = self.k_conv(self.k_proj(x), segments).view(heads)
         v = self.v_conv(self.v_proj(x), segments).view(heads)
-        q = F.normalize(upcast(q), dim=-1, eps=1e-6)
-        k = F.normalize(upcast(k), dim=-1, eps=1e-6)
-        beta = torch.sigmoid(upcast(self.beta_proj(x)))
         z = (self.decay_up(self.decay_down(x)) + self.decay_bias).view(heads)
-        g = kda_gate(z, self.a_log, self.gate_kind, self.lower_bound)
+        q, k, beta, g = kda_inputs(q, k, self.beta_proj(x), z, self.a_log, self.gate_kind,
+                                   self.lower_bound)
         # Only the K3 gate has a bound (fla's safe-gate kernel, the torch path's dense sub-tiles).
         bound = self.lower_bound if self.gate_kind == "lower_bound" else None
         kda = functools.partial(self.chunk_op, chunk_size=self.chunk_size,

@@ -11,6 +11,7 @@ import torch
 from model.activations import situ_glu, situ_glu_reference
 from model.attnres import depth_mix, depth_mix_reference
 from model.batch import cu_seqlens_from_lengths
+from model.kda import kda_inputs, kda_inputs_reference
 from model.norms import rms_norm
 from model.ops import native
 from model.ops.kda import kda_chunk, kda_recurrent
@@ -116,6 +117,55 @@ def test_rms_norm_matches_the_reference_on_every_layout():
     x = torch.randn(6, 40)
     x[1, 3], x[4, 0] = float("inf"), float("nan")
     _assert_norm_like_torch(x, torch.rand(40) + 0.5, "a row with inf, one with NaN")
+
+
+def _kda_layer_inputs(rows: int = 2048, H: int = 2, K: int = 32) -> tuple[torch.Tensor, ...]:
+    """q, k [4, rows / 4, H, K], beta logits [4, rows / 4, H], z like q, a_log [H] as the KDA
+    layer hands them over: heads of zero norm, of norms just below and above F.normalize's eps
+    (1e-6; one element of 2^-20 or 2^-19, norms that every summation order gets exactly), inf
+    and NaN."""
+    torch.manual_seed(0)
+    lead = (4, rows // 4)
+    q, k = torch.randn(*lead, H, K), torch.randn(*lead, H, K) * 3
+    q[0, 0], q[0, 1], k[0, 2] = 0.0, 0.0, 0.0
+    q[0, 1, :, 0], k[0, 2, :, 1] = 2.0 ** -20, 2.0 ** -19
+    q[1, 3, 1, 5], k[2, 4, 0, 3], k[3, 5, 1, 0] = float("nan"), float("inf"), 3e38
+    beta_logits, z = torch.randn(*lead, H) * 4, torch.randn(*lead, H, K) * 3
+    return q, k, beta_logits, z, torch.randn(H) * 0.5
+
+
+def _kda_inputs_flat(*inputs):
+    return torch.cat([x.flatten() for x in kda_inputs(*inputs, "lower_bound", -5.0)])
+
+
+def test_kda_inputs_match_the_reference():
+    """q and k normalised (zero norms, norms below and at eps, inf and NaN), beta and the bounded
+    gate: the native pass against the reference's torch ops, forward and backward (a_log's
+    gradient sums over every token and channel)."""
+    for what, inputs in {"the demo's layer": _kda_layer_inputs(),
+                         "head size 24, 3 heads": _kda_layer_inputs(400, 3, 24)}.items():
+        assert native.kda_inputs_usable(*inputs), what
+        _assert_like_torch(_kda_inputs_flat, inputs, f"KDA inputs, {what}")
+    assert not native.kda_inputs_usable(*(x.detach()[:1, :0] for x in _kda_layer_inputs()[:4]),
+                                        torch.zeros(3)), "a_log of another head count"
+
+
+def test_kda_inputs_take_the_reference_where_the_kernel_does_not_apply(monkeypatch):
+    inputs = _kda_layer_inputs(64)
+    q, k, beta_logits, z, a_log = inputs
+    cases = {"bf16": [x.bfloat16() for x in inputs],
+             "q not contiguous": [q.transpose(0, 1), *inputs[1:]],
+             "tensor subclass": [x.as_subclass(_Subclass) for x in inputs]}
+    for what, tensors in cases.items():
+        assert not native.kda_inputs_usable(*tensors), what
+    for kind in ("kimi_linear", "lower_bound"):
+        tensors = cases["q not contiguous"] if kind == "lower_bound" else inputs
+        for x, y in zip(kda_inputs(*tensors, kind, -5.0),
+                        kda_inputs_reference(*tensors, kind, -5.0), strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True, msg=kind)
+    # A backward the kernel refuses goes through the reference's autograd.
+    monkeypatch.setattr(native, "kda_inputs_backward", lambda *args: None)
+    _assert_like_torch(_kda_inputs_flat, inputs, "KDA inputs, the backward's fallback")
 
 
 def test_depth_mix_is_as_exact_as_the_reference():
@@ -272,6 +322,7 @@ def test_results_do_not_depend_on_the_thread_count():
               torch.randn(4, 512, 64)),
              (lambda a, b, q: depth_mix([a, b], q, torch.ones(64), 1e-5),
               (x, x.flip(1), torch.randn(64)), torch.randn(4, 512, 64))]
+    cases.append((_kda_inputs_flat, _kda_layer_inputs(), torch.randn(3 * 2048 * 2 * 32 + 4096)))
     kda_cu_seqlens = cu_seqlens_from_lengths([[100, 30, 200, 70]], 400)
     kda = _kda(kda_cu_seqlens)
     cases.append((lambda *a: torch.cat([o.flatten() for o in kda(*a)]),
@@ -288,8 +339,8 @@ def test_results_do_not_depend_on_the_thread_count():
             for n in (1, 3):
                 torch.set_num_threads(n)
                 runs.append(_with_grads(fn, inputs, cotangent))
-            for one, many in zip(*runs, strict=True):
-                assert torch.equal(one, many)
+            for one, many in zip(*runs, strict=True):  # bitwise, NaN where NaN
+                torch.testing.assert_close(one, many, rtol=0, atol=0, equal_nan=True)
     finally:
         torch.set_num_threads(threads)
 

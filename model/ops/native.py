@@ -55,6 +55,10 @@ _SIGNATURES = {
     "depth_mix_backward": [ctypes.POINTER(_F32_P), _I64_P, ctypes.c_int64] + [_F32_P] * 5
                           + [ctypes.c_int64] + [_F32_P] * 4 + [ctypes.c_int64] * 3
                           + [ctypes.c_int],
+    "kda_inputs_forward": [_F32_P] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 2
+                          + [ctypes.c_int],
+    "kda_inputs_backward": [_F32_P] * 15 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 2
+                           + [ctypes.c_int64, ctypes.c_int],
     "kda_forward": [_F32_P] * 6 + [_I64_P] + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
                    + [ctypes.c_int64] + [_F32_P] * 3 + [_I64_P, _F32_P, ctypes.c_int],
     "kda_backward": [_F32_P] * 6 + [_I64_P] + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
@@ -391,6 +395,59 @@ def depth_mix_backward(sources: list[torch.Tensor], query: torch.Tensor,
                                   _ptr(dvalues), _ptr(coef), _ptr(partials), _ptr(du), rows,
                                   width, _BLOCK_ROWS, torch.get_num_threads())
     return dvalues, du * norm_weight, du * query
+
+
+def _kda_inputs_shape(q, k, beta_logits, z, a_log) -> tuple[int, int, int] | None:
+    """(rows, H, K) where the native kernel applies to the KDA inputs (fp32 CPU, contiguous,
+    q, k, z [..., H, K], beta_logits [..., H], a_log [H]), else None."""
+    tensors = (q, k, beta_logits, z, a_log)
+    if q.dim() < 2 or not _usable(*tensors) or not all(t.is_contiguous() for t in tensors):
+        return None
+    H, K = q.shape[-2:]
+    if not (q.shape == k.shape == z.shape and beta_logits.shape == q.shape[:-1]
+            and a_log.shape == (H,)):
+        return None
+    return q.numel() // max(H * K, 1), H, K
+
+
+def kda_inputs_usable(q, k, beta_logits, z, a_log) -> bool:
+    return _kda_inputs_shape(q, k, beta_logits, z, a_log) is not None
+
+
+def kda_inputs_forward(q, k, beta_logits, z, a_log, lower_bound: float, eps: float):
+    """(q and k L2-normalised, sigmoid(beta_logits), lower_bound sigmoid(exp(a_log) z)) of
+    model/kda.py's kda_inputs_reference with K3's bounded gate; None where the native kernel
+    does not apply (kda_inputs_usable)."""
+    shape = _kda_inputs_shape(q, k, beta_logits, z, a_log)
+    if shape is None:
+        return None
+    q_out, k_out, g = (torch.empty(q.shape, dtype=torch.float32) for _ in range(3))
+    beta = torch.empty(beta_logits.shape, dtype=torch.float32)
+    _library().kda_inputs_forward(_ptr(q), _ptr(k), _ptr(beta_logits), _ptr(z), _ptr(a_log),
+                                  _ptr(q_out), _ptr(k_out), _ptr(beta), _ptr(g), *shape,
+                                  lower_bound, eps, torch.get_num_threads())
+    return q_out, k_out, beta, g
+
+
+def kda_inputs_backward(q, k, beta_logits, z, a_log, grad_q, grad_k, grad_beta, grad_g,
+                        lower_bound: float, eps: float):
+    """(dq, dk, dbeta_logits, dz, da_log) of kda_inputs_forward from its outputs' gradients;
+    None where the native kernel does not apply."""
+    shape = _kda_inputs_shape(q, k, beta_logits, z, a_log)
+    grads = tuple(grad.contiguous() for grad in (grad_q, grad_k, grad_beta, grad_g))
+    if shape is None or not _usable(*grads) or any(
+            grad.shape != x.shape for grad, x in zip(grads, (q, k, beta_logits, z))):
+        return None
+    rows, H, _ = shape
+    dq, dk, dz = (torch.empty(q.shape, dtype=torch.float32) for _ in range(3))
+    dbeta_logits = torch.empty(beta_logits.shape, dtype=torch.float32)
+    partials = torch.empty(-(-rows // _BLOCK_ROWS), H, dtype=torch.float32)
+    da_log = torch.empty(H, dtype=torch.float32)
+    _library().kda_inputs_backward(
+        _ptr(q), _ptr(k), _ptr(beta_logits), _ptr(z), _ptr(a_log), *(_ptr(g) for g in grads),
+        _ptr(dq), _ptr(dk), _ptr(dbeta_logits), _ptr(dz), _ptr(partials), _ptr(da_log), *shape,
+        lower_bound, eps, _BLOCK_ROWS, torch.get_num_threads())
+    return dq, dk, dbeta_logits, dz, da_log
 
 
 # Tokens between the KDA recurrence's checkpoints: the backward holds one segment's states

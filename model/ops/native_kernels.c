@@ -330,6 +330,98 @@ void depth_mix_backward(const float **sources, const int64_t *strides, int64_t n
   sum_blocks(partials, blocks, width, du);
 }
 
+/* The KDA layer's inputs to its recurrence (model/kda.py kda_inputs_reference, K3's bounded
+ * gate), per token and head: q and k L2-normalised (F.normalize: x / max(||x||, eps)),
+ * beta = sigmoid(beta_logit) and g = lower_bound sigmoid(exp(a_log[h]) z). q, k, z and their
+ * outputs are [rows, H, K], beta_logits and beta [rows, H]. */
+static inline float l2_norm(const float *x, int64_t K) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < K; ++i) squares += x[i] * x[i];
+  return sqrtf(squares);
+}
+
+/* max(norm, eps) as torch's clamp_min: a NaN norm stays NaN. */
+static inline float clamp_norm(float norm, float eps) { return norm < eps ? eps : norm; }
+
+static void l2_normalize(const float *restrict x, float *restrict y, int64_t K, float eps) {
+  float denom = clamp_norm(l2_norm(x, K), eps);
+#pragma omp simd
+  for (int64_t i = 0; i < K; ++i) y[i] = x[i] / denom;
+}
+
+void kda_inputs_forward(const float *q, const float *k, const float *beta_logits,
+                        const float *z, const float *a_log, float *q_out, float *k_out,
+                        float *beta, float *g, int64_t rows, int64_t H, int64_t K,
+                        float lower_bound, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (rows * H * K >= PARALLEL_GRAIN)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      int64_t x = (r * H + h) * K;
+      float decay_scale = expf(a_log[h]);
+      l2_normalize(q + x, q_out + x, K, eps);
+      l2_normalize(k + x, k_out + x, K, eps);
+      beta[r * H + h] = sigmoid(beta_logits[r * H + h]);
+#pragma omp simd
+      for (int64_t i = 0; i < K; ++i) g[x + i] = lower_bound * sigmoid(decay_scale * z[x + i]);
+    }
+}
+
+/* F.normalize's gradient as autograd forms it: dy / d, plus (where ||x|| >= eps, clamp_min's
+ * mask) the norm's share -(dy . x) / d^2 * x / ||x||. */
+static void l2_normalize_backward(const float *restrict x, const float *restrict dy,
+                                  float *restrict dx, int64_t K, float eps) {
+  float norm = l2_norm(x, K), denom = clamp_norm(norm, eps), dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t i = 0; i < K; ++i) dot += dy[i] * x[i];
+  if (!(norm >= eps)) {
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) dx[i] = dy[i] / denom;
+    return;
+  }
+  float norm_grad = -dot / (denom * denom);
+#pragma omp simd
+  for (int64_t i = 0; i < K; ++i) dx[i] = dy[i] / denom + norm_grad * (x[i] / norm);
+}
+
+/* Its gradients from those of q_out, k_out, beta and g, recomputing the forward; d a_log [H]
+ * sums over all rows, per block of `block_rows` rows into partials [blocks, H], then over the
+ * blocks in order (see block_count). */
+void kda_inputs_backward(const float *q, const float *k, const float *beta_logits,
+                         const float *z, const float *a_log, const float *grad_q,
+                         const float *grad_k, const float *grad_beta, const float *grad_g,
+                         float *dq, float *dk, float *dbeta_logits, float *dz, float *partials,
+                         float *da_log, int64_t rows, int64_t H, int64_t K, float lower_bound,
+                         float eps, int64_t block_rows, int threads) {
+  int64_t blocks = block_count(rows, block_rows);
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (rows * H * K >= PARALLEL_GRAIN)
+  for (int64_t block = 0; block < blocks; ++block) {
+    float *acc = partials + block * H;
+    int64_t end = start_block(acc, H, block, block_rows, rows);
+    for (int64_t r = block * block_rows; r < end; ++r)
+      for (int64_t h = 0; h < H; ++h) {
+        int64_t x = (r * H + h) * K, y = r * H + h;
+        float decay_scale = expf(a_log[h]), sum = 0.0f;
+        l2_normalize_backward(q + x, grad_q + x, dq + x, K, eps);
+        l2_normalize_backward(k + x, grad_k + x, dk + x, K, eps);
+        float b = sigmoid(beta_logits[y]);
+        dbeta_logits[y] = grad_beta[y] * (1.0f - b) * b;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < K; ++i) {
+          float s = sigmoid(decay_scale * z[x + i]);
+          float d_pre = grad_g[x + i] * lower_bound * (1.0f - s) * s;
+          dz[x + i] = d_pre * decay_scale;
+          sum += d_pre * z[x + i];
+        }
+        acc[h] += sum;
+      }
+  }
+  sum_blocks(partials, blocks, H, da_log);
+  for (int64_t h = 0; h < H; ++h) da_log[h] *= expf(a_log[h]);
+}
+
 /* Kimi Delta Attention token by token (model/ops/kda.py kda_recurrent, the reference). Per head,
  * with the state S [K, V] (row i: key channel i), G = max(g_t, floor) the log decay:
  *   S' = Diag(exp(G)) S;  r = v_t - S'^T k_t;  S = S' + k_t (beta_t r)^T;  o_t = S^T (scale q_t)
