@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from model.activations import situ_glu, situ_glu_reference
+from model.activations import situ_glu_halves, situ_glu_reference
 from model.attnres import depth_mix, depth_mix_reference
 from model.norms import rms_norm, rms_norm_reference
 from model.ops import fused as fused_kernels
@@ -34,7 +34,7 @@ def _cases() -> dict:
     segments = torch.repeat_interleave(torch.arange(2), torch.tensor([300, SEQ - 300]))
     gate_up = torch.randn(ROWS * SEQ, 2 * 128)
     return {
-        "situ_glu [2048, 128]": ((gate_up,), (), lambda gu: situ_glu(*gu.chunk(2, -1)),
+        "situ_glu [2048, 128]": ((gate_up,), (), situ_glu_halves,
                                  lambda gu: situ_glu_reference(*gu.chunk(2, -1))),
         "rms_norm [4, 512, 64]": ((torch.randn(ROWS, SEQ, 64), torch.rand(64) + 0.5), (1e-5,),
                                   rms_norm, rms_norm_reference),

@@ -24,26 +24,29 @@ def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 
 
 
 class _SiTUGLU(torch.autograd.Function):
-    """Saves only gate and up (in their own dtype; the dense MLP's are two views of one Linear
-    output) and recomputes the tanh and sigmoid in backward: the plain form keeps five or six
-    fp32 tensors of the activation's size for autograd. fp32 on CPU runs the native kernels
-    (model/ops/native.py), the rest the torch forms below."""
+    """SiTU-GLU of the two halves of gate_up [..., 2 * width] (gate first), as the MLPs' fused
+    projections produce it: its gradient is one tensor too (two would be concatenated by the
+    halves' backward). Saves only gate_up (in its own dtype) and recomputes the tanh and
+    sigmoid in backward: the plain form keeps five or six fp32 tensors of the activation's size
+    for autograd. fp32 on CPU runs the native kernels (model/ops/native.py), the rest the torch
+    forms below."""
 
     @staticmethod
-    def forward(ctx, gate, up, beta_gate, beta_up):
-        ctx.save_for_backward(gate, up)
+    def forward(ctx, gate_up, beta_gate, beta_up):
+        ctx.save_for_backward(gate_up)
         ctx.betas = beta_gate, beta_up
+        gate, up = gate_up.chunk(2, dim=-1)
         out = native.situ_glu_forward(gate, up, beta_gate, beta_up)
         # Else the reference's ops in its order: unfused, the forward is bitwise the same.
         return out if out is not None else _situ_glu_forward(gate, up, beta_gate, beta_up)
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        grads = native.situ_glu_backward(gate, up, grad_out, *ctx.betas)
-        if grads is None:
-            grads = _situ_glu_backward(gate, up, grad_out, *ctx.betas)
-        return *grads, None, None
+        gate, up = ctx.saved_tensors[0].chunk(2, dim=-1)
+        grad = native.situ_glu_backward(gate, up, grad_out, *ctx.betas)
+        if grad is None:
+            grad = torch.cat(_situ_glu_backward(gate, up, grad_out, *ctx.betas), dim=-1)
+        return grad, None, None
 
 
 _situ_glu_forward = fusable(situ_glu_reference, dynamic="rows")
@@ -69,16 +72,23 @@ def _situ_glu_backward(gate, up, grad_out, beta_gate: float, beta_up: float):
     return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0,
-             beta_up: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU: beta_g tanh(g / beta_g) * sigmoid(g) * beta_u tanh(u / beta_u).
+def situ_glu_halves(gate_up: torch.Tensor, beta_gate: float = 4.0,
+                    beta_up: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU: beta_g tanh(g / beta_g) * sigmoid(g) * beta_u tanh(u / beta_u), of the gate g
+    and up u halves of gate_up [..., 2 * width] -> [..., width].
 
     The tanh soft-caps bound the output by beta_gate * beta_up (100 for K3) whatever the input,
     which is what keeps the expert activations stable; near zero tanh(x / beta) * beta = x, so it
     is SwiGLU to first order. Computed in (at least) fp32, returned in the input dtype; saves
-    only its inputs for backward (`situ_glu_reference` is the plain form).
+    only its input for backward (`situ_glu_reference` is the plain form).
     """
-    return _SiTUGLU.apply(gate, up, beta_gate, beta_up)
+    return _SiTUGLU.apply(gate_up, beta_gate, beta_up)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0,
+             beta_up: float = 25.0) -> torch.Tensor:
+    """situ_glu_halves of gate and up given apart (concatenated first)."""
+    return situ_glu_halves(torch.cat([gate, up], dim=-1), beta_gate, beta_up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

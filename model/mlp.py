@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from model.activations import situ_glu
+from model.activations import situ_glu_halves
 
 
 class SiTUGLUMLP(nn.Module):
@@ -25,5 +25,4 @@ class SiTUGLUMLP(nn.Module):
             nn.init.normal_(linear.weight, mean=0.0, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(situ_glu(gate, up, self.beta_gate, self.beta_up))
+        return self.down(situ_glu_halves(self.gate_up(x), self.beta_gate, self.beta_up))

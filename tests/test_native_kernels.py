@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from model.activations import situ_glu, situ_glu_reference
+from model.activations import situ_glu, situ_glu_halves, situ_glu_reference
 from model.attnres import depth_mix, depth_mix_reference
 from model.batch import cu_seqlens_from_lengths
 from model.kda import kda_inputs, kda_inputs_reference
@@ -66,7 +66,8 @@ def test_situ_glu_matches_the_reference_on_every_layout():
     gate, up = torch.randn(2, 4096, 64) * 4
     _assert_situ_glu_like_torch(gate, up, "contiguous [4096, 64]")
     fused = torch.randn(3, 100, 2 * 48) * 8  # the MLP's [gate | up] projection: strided halves
-    _assert_situ_glu_like_torch(*fused.chunk(2, dim=-1), "halves of [3, 100, 96]")
+    assert native.situ_glu_forward(*fused.chunk(2, dim=-1), 4.0, 25.0) is not None
+    _assert_like_torch(situ_glu_halves, (fused,), "SiTU-GLU of the halves of [3, 100, 96]")
     _assert_situ_glu_like_torch(*torch.randn(2, 37) * 3, "one dim")
     grid = _values()
     gate, up = (t.contiguous() for t in torch.meshgrid(grid, grid, indexing="ij"))
@@ -358,8 +359,9 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
              "shapes differ": (gate, up[:1])}
     for what, (g, u) in cases.items():
         assert native.situ_glu_forward(g, u, 4.0, 25.0) is None, what
-    g, u = cases["every other column"]
-    assert torch.equal(situ_glu(g, u), situ_glu_reference(g, u))
+    g, u = cases["every other column"]  # the halves of every other column of [gate | up]
+    assert torch.equal(situ_glu_halves(torch.cat([gate, up], -1)[:, ::2]),
+                       situ_glu_reference(g, u))
     x, weight, segments = torch.randn(2, 16, 8), torch.randn(8, 4), _documents([[6, 10], [16]])
     conv_cases = {"bf16": (x.bfloat16(), weight, segments),
                   "x not contiguous": (x.transpose(0, 1), weight, segments[:, :2].T),
@@ -379,7 +381,8 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
     with native.native_kernels(False):
         assert not native.available()
         assert native.situ_glu_forward(gate, up, 4.0, 25.0) is None
-        assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
+        gate_up = torch.cat([gate, up], dim=-1)
+        assert torch.equal(situ_glu_halves(gate_up), situ_glu_reference(*gate_up.chunk(2, -1)))
 
 
 def test_kda_takes_the_torch_chunk_form_where_the_recurrence_does_not_apply():
@@ -404,10 +407,11 @@ def _assert_torch_forms_after_one_warning(monkeypatch, match: str):
     try:
         with pytest.warns(UserWarning, match=match):
             assert not native.available()
-        gate, up = torch.randn(2, 16, 8)
+        gate_up = torch.randn(16, 2 * 8)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once per process, not per call
-            assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
+            assert torch.equal(situ_glu_halves(gate_up),
+                               situ_glu_reference(*gate_up.chunk(2, dim=-1)))
     finally:
         monkeypatch.undo()
         native._library.cache_clear()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.activations import situ_glu
+from model.activations import situ_glu_halves
 
 FakeQuant = Callable[[torch.Tensor], torch.Tensor]
 GroupWeights = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -78,8 +78,7 @@ class GroupedExperts(nn.Module):
         return x if self.input_fake_quant is None else self.input_fake_quant(x)
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return situ_glu(gate, up, self.beta_gate, self.beta_up)
+        return situ_glu_halves(gate_up, self.beta_gate, self.beta_up)
 
     # Left out of torch.compile graphs (train.activation_checkpointing.compile_sublayers wraps
     # forward in torch.compiler.disable where this is set): grouped_mm's fake (tracing) kernel

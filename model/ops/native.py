@@ -42,7 +42,7 @@ _I64_P = ctypes.POINTER(ctypes.c_int64)
 _SIGNATURES = {
     "situ_glu_forward": [_F32_P] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2
                         + [ctypes.c_int],
-    "situ_glu_backward": [_F32_P] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
+    "situ_glu_backward": [_F32_P] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float] * 2
                          + [ctypes.c_int],
     "conv_silu_forward": [_F32_P, _F32_P, _I64_P, _F32_P] + [ctypes.c_int64] * 4
                          + [ctypes.c_int],
@@ -208,22 +208,21 @@ def situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, beta_gate: float,
 
 
 def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor,
-                      beta_gate: float, beta_up: float
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The gradients of gate and up (model/activations.py _situ_glu_backward); None where the
-    native kernel does not apply."""
+                      beta_gate: float, beta_up: float) -> torch.Tensor | None:
+    """The gradients of gate and up (model/activations.py _situ_glu_backward) as one tensor
+    [..., 2 * width], gate's first; None where the native kernel does not apply."""
     if not (gate.shape == up.shape == grad_out.shape) or not _usable(gate, up, grad_out):
         return None
     g, u = _as_rows(gate), _as_rows(up)
     if g is None or u is None:
         return None
     (g, g_stride), (u, u_stride), (d, d_stride) = g, u, _grad_rows(grad_out)
-    grad_gate = torch.empty(gate.shape, dtype=torch.float32)
-    grad_up = torch.empty(up.shape, dtype=torch.float32)
-    _library().situ_glu_backward(_ptr(g), _ptr(u), _ptr(d), _ptr(grad_gate), _ptr(grad_up),
-                                 g.shape[0], g.shape[1], g_stride, u_stride, d_stride,
+    rows, width = g.shape
+    grad = torch.empty(*gate.shape[:-1], 2 * width, dtype=torch.float32)
+    _library().situ_glu_backward(_ptr(g), _ptr(u), _ptr(d), _ptr(grad), _ptr(grad[..., width:]),
+                                 rows, width, g_stride, u_stride, d_stride, 2 * width,
                                  beta_gate, beta_up, torch.get_num_threads())
-    return grad_gate, grad_up
+    return grad
 
 
 def _conv_operands(x, weight, segments):

@@ -60,17 +60,18 @@ void situ_glu_forward(const float *gate, const float *up, float *out, int64_t ro
   }
 }
 
-/* Its gradients, recomputing the tanh and sigmoid (model/activations.py _situ_glu_backward). */
+/* Its gradients, recomputing the tanh and sigmoid (model/activations.py _situ_glu_backward);
+ * grad_gate and grad_up are rows `out_stride` floats apart (the two halves of one gradient). */
 void situ_glu_backward(const float *gate, const float *up, const float *grad_out,
                        float *grad_gate, float *grad_up, int64_t rows, int64_t width,
                        int64_t gate_stride, int64_t up_stride, int64_t grad_stride,
-                       float beta_gate, float beta_up, int threads) {
+                       int64_t out_stride, float beta_gate, float beta_up, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (rows * width >= PARALLEL_GRAIN)
   for (int64_t r = 0; r < rows; ++r) {
     const float *g = gate + r * gate_stride, *u = up + r * up_stride;
     const float *d = grad_out + r * grad_stride;
-    float *dg = grad_gate + r * width, *du = grad_up + r * width;
+    float *dg = grad_gate + r * out_stride, *du = grad_up + r * out_stride;
 #pragma omp simd
     for (int64_t i = 0; i < width; ++i) {
       float sigmoid_gate = sigmoid(g[i]);
