@@ -210,6 +210,27 @@ def test_identical_frames_differ_from_an_image_only_by_the_time_table(cfg, model
                      "3 copies")
 
 
+def test_position_embedding_matches_a_table_per_frame(cfg, model):
+    """Each frame gets its size's resized table, each patch the time-table row of its frame in
+    the chunk: the layout's one gather per table against a loop over items and frames, forward
+    and the tables' gradients (sizes repeated across images and videos)."""
+    grids = [(1, 4, 6), (6, 2, 4), (1, 4, 6), (9, 4, 6), (1, 2, 2), (2, 2, 4)]
+    layout = build_layout(grids, cfg)
+    encoder = model.encoder
+    embedding = encoder.position_embedding(layout)
+    expected = []
+    for t, h, w in grids:
+        table = interpolate_pos_table(encoder.pos_table, h, w)
+        expected += [table + encoder.time_table[f % cfg.time_table_size] for f in range(t)]
+    expected = torch.cat(expected)
+    assert_close_rms(expected, embedding, 1e-6, "position embedding")
+    cotangent = torch.randn_like(expected)
+    got = torch.autograd.grad(embedding, (encoder.pos_table, encoder.time_table), cotangent)
+    want = torch.autograd.grad(expected, (encoder.pos_table, encoder.time_table), cotangent)
+    for name, x, ref in zip(("pos_table", "time_table"), got, want, strict=True):
+        assert_close_rms(ref, x, 1e-6, f"{name} gradient")
+
+
 def test_merge_matches_naive_loop(cfg):
     grids = [(1, 4, 6), (6, 2, 4), (1, 6, 2)]
     layout = build_layout(grids, cfg)

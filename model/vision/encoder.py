@@ -84,14 +84,12 @@ class MoonViTEncoder(nn.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
     def position_embedding(self, layout: VisionLayout) -> torch.Tensor:
-        """Interpolated table per frame (resized once per distinct grid) plus the time table."""
-        resized: dict[tuple[int, int], torch.Tensor] = {}
-        per_item = []
-        for t, h, w in layout.grids:
-            if (h, w) not in resized:
-                resized[(h, w)] = interpolate_pos_table(self.pos_table, h, w)
-            per_item.append(resized[(h, w)].repeat(t, 1))
-        return torch.cat(per_item) + self.time_table[layout.frame_in_chunk]
+        """Interpolated table per frame (resized once per distinct frame size) plus the time
+        table, each one gather (index_select: its backward is an index_add)."""
+        tables = torch.cat([interpolate_pos_table(self.pos_table, h, w)
+                            for h, w in layout.frame_sizes])
+        return (tables.index_select(0, layout.position_index)
+                + self.time_table.index_select(0, layout.frame_in_chunk))
 
     def forward(self, patches: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
         if patches.shape[0] != layout.num_patches:

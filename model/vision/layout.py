@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.config import VisionConfig
@@ -55,6 +56,10 @@ class VisionLayout:
     rows: torch.Tensor  # [P] patch row within its frame
     cols: torch.Tensor  # [P] patch column within its frame
     frame_in_chunk: torch.Tensor  # [P] index into the time table
+    # The distinct frame sizes (rows, cols), in order of first appearance, and each patch's row
+    # in their position tables stacked (the table resized once per size, gathered once).
+    frame_sizes: tuple[tuple[int, int], ...]
+    position_index: torch.Tensor  # [P]
     pool_index: torch.Tensor  # [slots, time_table_size] packed patch of each frame of a slot
     pool_weight: torch.Tensor  # [slots, time_table_size] 1 / frames in the chunk, 0 = padding
     merge_index: torch.Tensor  # [V, merge * merge] slots of each output token, row-major
@@ -65,33 +70,36 @@ class VisionLayout:
 
 
 def _item_layout(grid: Grid, patch_offset: int, slot_offset: int, cfg: VisionConfig):
+    """One item's index arrays, in numpy: a micro-batch holds tens of small images, and these
+    few dozen operations per item on arrays of tens of elements cost several times more as
+    torch operators (the demo's 49-image micro-batch: 10.4 ms against 2.2 ms)."""
     t, h, w = grid
     span, m = cfg.time_table_size, cfg.merge_size
     hw = h * w
     chunks = num_chunks(t, cfg)
-    chunk_frames = torch.clamp(t - span * torch.arange(chunks), max=span)
+    chunk_frames = np.minimum(t - span * np.arange(chunks), span)
 
-    rows = torch.arange(h).repeat_interleave(w).repeat(t)
-    cols = torch.arange(w).repeat(h * t)
-    frame_in_chunk = (torch.arange(t) % span).repeat_interleave(hw)
+    rows = np.tile(np.repeat(np.arange(h), w), t)
+    cols = np.tile(np.arange(w), h * t)
+    frame_in_chunk = np.repeat(np.arange(t) % span, hw)
 
     # Slot (chunk c, spatial s) averages frames c*span + j; padding repeats frame c*span, weight 0.
-    c = torch.arange(chunks).view(-1, 1, 1)
-    frame = c * span + torch.arange(span).view(1, 1, -1)
+    c = np.arange(chunks).reshape(-1, 1, 1)
+    frame = c * span + np.arange(span).reshape(1, 1, -1)
     valid = frame < t
-    frame = torch.where(valid, frame, c * span)
-    pool_index = patch_offset + frame * hw + torch.arange(hw).view(1, -1, 1)
-    pool_weight = valid / chunk_frames.view(-1, 1, 1)
+    frame = np.where(valid, frame, c * span)
+    pool_index = patch_offset + frame * hw + np.arange(hw).reshape(1, -1, 1)
+    pool_weight = (valid / chunk_frames.reshape(-1, 1, 1)).astype(np.float32)
     pool_index = pool_index.reshape(chunks * hw, span)
-    pool_weight = pool_weight.expand(chunks, hw, span).reshape(chunks * hw, span)
+    pool_weight = np.broadcast_to(pool_weight, (chunks, hw, span)).reshape(chunks * hw, span)
 
     # Neighbour (di, dj) of merged token (i, j) is slot (i*m + di, j*m + dj) of the same chunk.
-    i = torch.arange(h // m).view(-1, 1, 1, 1)
-    j = torch.arange(w // m).view(1, -1, 1, 1)
-    di = torch.arange(m).view(1, 1, -1, 1)
-    dj = torch.arange(m).view(1, 1, 1, -1)
+    i = np.arange(h // m).reshape(-1, 1, 1, 1)
+    j = np.arange(w // m).reshape(1, -1, 1, 1)
+    di = np.arange(m).reshape(1, 1, -1, 1)
+    dj = np.arange(m).reshape(1, 1, 1, -1)
     spatial = ((i * m + di) * w + j * m + dj).reshape(-1, m * m)
-    merge_index = slot_offset + (c.view(-1, 1, 1) * hw + spatial).reshape(-1, m * m)
+    merge_index = slot_offset + (c.reshape(-1, 1, 1) * hw + spatial).reshape(-1, m * m)
 
     seqlens = chunk_frames * hw
     return rows, cols, frame_in_chunk, pool_index, pool_weight, merge_index, seqlens
@@ -101,18 +109,27 @@ def build_layout(grid_thw: torch.Tensor | Sequence[Sequence[int]], cfg: VisionCo
                  device: torch.device | str | None = None) -> VisionLayout:
     """All index tensors for one packed call; built on the host, moved to `device` once."""
     grids = grids_from(grid_thw)
-    parts = []
-    patch_offset = slot_offset = 0
+    parts, position_index = [], []
+    table_offsets: dict[tuple[int, int], int] = {}  # frame size -> its first stacked row
+    patch_offset = slot_offset = table_rows = 0
     for index, grid in enumerate(grids):
         _check(grid, index, cfg)
         t, h, w = grid
         parts.append(_item_layout(grid, patch_offset, slot_offset, cfg))
+        if (h, w) not in table_offsets:
+            table_offsets[(h, w)] = table_rows
+            table_rows += h * w
+        position_index.append(np.tile(table_offsets[(h, w)] + np.arange(h * w), t))
         patch_offset += t * h * w
         slot_offset += num_chunks(t, cfg) * h * w
     if not parts:
         raise ValueError("grid_thw is empty: no image or video to encode")
     rows, cols, frame_in_chunk, pool_index, pool_weight, merge_index, seqlens = (
-        torch.cat(column) for column in zip(*parts))
-    cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0), (1, 0))
-    tensors = (cu_seqlens, rows, cols, frame_in_chunk, pool_index, pool_weight, merge_index)
-    return VisionLayout(tuple(grids), tuple(seqlens.tolist()), *(x.to(device) for x in tensors))
+        torch.from_numpy(np.concatenate(column)) for column in zip(*parts))
+    tensors = {"cu_seqlens": torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)), "rows": rows,
+               "cols": cols, "frame_in_chunk": frame_in_chunk,
+               "position_index": torch.from_numpy(np.concatenate(position_index)),
+               "pool_index": pool_index, "pool_weight": pool_weight, "merge_index": merge_index}
+    return VisionLayout(grids=tuple(grids), seqlens=tuple(seqlens.tolist()),
+                        frame_sizes=tuple(table_offsets),
+                        **{name: x.to(device) for name, x in tensors.items()})

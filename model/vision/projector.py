@@ -14,18 +14,19 @@ from model.vision.layout import VisionLayout
 def pool_chunks(x: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
     """[P, C] -> [slots, C]: each (chunk, spatial position) averaged over the chunk's frames.
 
-    One gather per time step keeps the forward deterministic and the memory at two copies of x.
+    One gather per time step keeps the forward deterministic and the memory at two copies of x
+    (index_select: its backward is an index_add, not the scatter-add of an indexing).
     """
     weights = layout.pool_weight.to(x.dtype)
-    pooled = x[layout.pool_index[:, 0]] * weights[:, :1]
+    pooled = x.index_select(0, layout.pool_index[:, 0]) * weights[:, :1]
     for step in range(1, layout.pool_index.shape[1]):
-        pooled = pooled + x[layout.pool_index[:, step]] * weights[:, step:step + 1]
+        pooled = pooled + x.index_select(0, layout.pool_index[:, step]) * weights[:, step:step + 1]
     return pooled
 
 
 def merge_tokens(pooled: torch.Tensor, merge_index: torch.Tensor) -> torch.Tensor:
     """Space-to-depth: [slots, C] -> [V, m*m*C], neighbours concatenated in row-major order."""
-    return pooled[merge_index].flatten(1)
+    return pooled.index_select(0, merge_index.flatten()).view(merge_index.shape[0], -1)
 
 
 class VisionProjector(nn.Module):
