@@ -22,6 +22,7 @@ from torch import nn
 from .attnres import DepthMix
 from .config import K3Config
 from .norms import RMSNorm
+from .ops import native
 from .ops.fast_exp import exp_
 
 IGNORE_INDEX = -100
@@ -57,7 +58,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             logits = _chunk_logits(hidden[rows], weight, logits_buffer)
             target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
-            _log_sum_exp_(logits, out=lse[rows])
+            if not native.log_sum_exp_rows(logits, out=lse[rows]):
+                _log_sum_exp_(logits, out=lse[rows])
             loss += torch.where(valid[rows], lse[rows] - target_logit, 0.0).sum()
         ctx.chunk_tokens = chunk_tokens
         ctx.save_for_backward(hidden, weight, targets, valid, lse)
@@ -75,10 +77,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             grad_logits = _chunk_logits(hidden[rows], weight, logits_buffer)
-            exp_(grad_logits.sub_(lse[rows, None]))  # softmax
-            grad_logits.scatter_add_(1, targets[rows, None],
-                                     torch.full_like(lse[rows, None], -1.0))
-            grad_logits.mul_(scale[rows, None])
+            _softmax_grad_(grad_logits, lse[rows], targets[rows], scale[rows])
             grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
@@ -104,6 +103,17 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor,
     if hidden.dtype == buffer.dtype:
         return torch.mm(hidden, weight.T, out=logits)
     return logits.copy_(F.linear(hidden, weight))  # computed in the low precision, then widened
+
+
+def _softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+                   scale: torch.Tensor) -> None:
+    """logits [rows, V] <- scale (softmax - one_hot(targets)) in place: one native pass over
+    each row for fp32 on CPU, else torch's ops."""
+    if native.softmax_grad_rows_(logits, lse, targets, scale):
+        return
+    exp_(logits.sub_(lse[:, None]))  # softmax
+    logits.scatter_add_(1, targets[:, None], torch.full_like(lse[:, None], -1.0))
+    logits.mul_(scale[:, None])
 
 
 def _log_sum_exp_(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

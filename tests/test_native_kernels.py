@@ -11,6 +11,7 @@ import torch
 from model.activations import situ_glu, situ_glu_halves, situ_glu_reference
 from model.attnres import depth_mix, depth_mix_reference
 from model.batch import cu_seqlens_from_lengths
+from model.head import IGNORE_INDEX, chunked_linear_cross_entropy
 from model.kda import kda_inputs, kda_inputs_reference
 from model.norms import rms_norm
 from model.ops import native
@@ -169,6 +170,54 @@ def test_kda_inputs_take_the_reference_where_the_kernel_does_not_apply(monkeypat
     _assert_like_torch(_kda_inputs_flat, inputs, "KDA inputs, the backward's fallback")
 
 
+def _loss_inputs(tokens: int = 300, d: int = 24, vocab: int = 1000):
+    """hidden [tokens, d] (rows from 0.01 to 300: logits up to ~1e4, where exp overflows without
+    the max), weight [vocab, d], labels with every 7th ignored."""
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, d) * torch.logspace(-2, 2.5, tokens)[:, None]
+    labels = torch.randint(0, vocab, (tokens,))
+    labels[::7] = IGNORE_INDEX
+    return hidden, torch.randn(vocab, d), labels
+
+
+def test_chunked_loss_matches_its_torch_form():
+    """The head's log-sum-exp and softmax gradient as one pass per row against torch's ops:
+    the loss and both gradients, chunks of 96 rows (the last one short), an ignored label on
+    every 7th token; a NaN row gives NaN where torch's does."""
+    hidden, weight, labels = _loss_inputs()
+    assert native.log_sum_exp_rows(torch.randn(4, 8), torch.empty(4))
+
+    def loss(h, w):
+        return chunked_linear_cross_entropy(h, w, labels, 96)
+
+    _assert_like_torch(loss, (hidden, weight), "chunked loss")
+    hidden[5, 3] = float("nan")
+    _assert_like_torch(loss, (hidden, weight), "chunked loss, a NaN row")
+
+
+def test_log_sum_exp_rows_is_torch_logsumexp():
+    """Rows of logits up to 1e4, one holding +inf, one all -inf, one holding a NaN."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3000) * torch.tensor([1.0, 50, 1, 1, 1e4, 1])[:, None]
+    x[1, 3], x[2], x[3, 0] = float("inf"), -float("inf"), float("nan")
+    out = torch.empty(6)
+    assert native.log_sum_exp_rows(x, out)
+    expected = torch.logsumexp(x, -1)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=0, equal_nan=True)
+
+
+def test_the_softmax_gradient_refuses_labels_outside_the_vocabulary():
+    logits, lse, scale = torch.randn(3, 10), torch.zeros(3), torch.ones(3)
+    with pytest.raises(ValueError, match=r"1 labels outside the vocabulary \[0, 10\)"):
+        native.softmax_grad_rows_(logits, lse, torch.tensor([0, 10, 9]), scale)
+    for what, args in {"bf16 logits": (logits.bfloat16(), lse, scale),
+                       "columns of wider logits": (torch.randn(3, 20)[:, :10], lse, scale)
+                       }.items():
+        assert not native.log_sum_exp_rows(args[0], torch.empty(3)), what
+        assert not native.softmax_grad_rows_(args[0], args[1], torch.zeros(3, dtype=torch.int64),
+                                             args[2]), what
+
+
 def test_depth_mix_is_as_exact_as_the_reference():
     """Within 1e-6 of the float64 result, or twice the fp32 torch forms' own error where that
     is larger (the norm weight's and the query's gradients sum with cancellation)."""
@@ -324,6 +373,9 @@ def test_results_do_not_depend_on_the_thread_count():
              (lambda a, b, q: depth_mix([a, b], q, torch.ones(64), 1e-5),
               (x, x.flip(1), torch.randn(64)), torch.randn(4, 512, 64))]
     cases.append((_kda_inputs_flat, _kda_layer_inputs(), torch.randn(3 * 2048 * 2 * 32 + 4096)))
+    hidden, weight, labels = _loss_inputs(2048, 64, 2048)  # above the kernels' grain
+    cases.append((lambda h, w: chunked_linear_cross_entropy(h, w, labels, 1024), (hidden, weight),
+                  torch.randn(())))
     kda_cu_seqlens = cu_seqlens_from_lengths([[100, 30, 200, 70]], 400)
     kda = _kda(kda_cu_seqlens)
     cases.append((lambda *a: torch.cat([o.flatten() for o in kda(*a)]),

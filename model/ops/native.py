@@ -59,6 +59,9 @@ _SIGNATURES = {
                           + [ctypes.c_int],
     "kda_inputs_backward": [_F32_P] * 15 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 2
                            + [ctypes.c_int64, ctypes.c_int],
+    "log_sum_exp_rows": [_F32_P] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
+    "softmax_grad_rows": [_F32_P] * 2 + [_I64_P, _F32_P] + [ctypes.c_int64] * 2
+                         + [ctypes.c_int],
     "kda_forward": [_F32_P] * 6 + [_I64_P] + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
                    + [ctypes.c_int64] + [_F32_P] * 3 + [_I64_P, _F32_P, ctypes.c_int],
     "kda_backward": [_F32_P] * 6 + [_I64_P] + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
@@ -70,7 +73,8 @@ _SIGNATURES = {
                                                                    ctypes.c_int64]
                           + [_F32_P] * 4 + [ctypes.c_int],
 }
-_RESULTS = {"kda_forward": ctypes.c_int64, "attention_forward": ctypes.c_int64}
+_RESULTS = {"kda_forward": ctypes.c_int64, "attention_forward": ctypes.c_int64,
+            "softmax_grad_rows": ctypes.c_int64}
 # Rows per block of a weight gradient's sum over rows (see native_kernels.c).
 _BLOCK_ROWS = 64
 
@@ -447,6 +451,38 @@ def kda_inputs_backward(q, k, beta_logits, z, a_log, grad_q, grad_k, grad_beta, 
         _ptr(dq), _ptr(dk), _ptr(dbeta_logits), _ptr(dz), _ptr(partials), _ptr(da_log), *shape,
         lower_bound, eps, _BLOCK_ROWS, torch.get_num_threads())
     return dq, dk, dbeta_logits, dz, da_log
+
+
+def _loss_rows_usable(logits: torch.Tensor, *per_row: torch.Tensor) -> bool:
+    """fp32 CPU contiguous logits [rows, V] and per-row fp32 vectors [rows]."""
+    return (logits.dim() == 2 and _usable(logits, *per_row) and logits.is_contiguous()
+            and all(x.shape == logits.shape[:1] and x.is_contiguous() for x in per_row))
+
+
+def log_sum_exp_rows(logits: torch.Tensor, out: torch.Tensor) -> bool:
+    """torch.logsumexp(logits, -1) of logits [rows, V] into out [rows] (model/head.py
+    _log_sum_exp_, leaving logits as they are); False where the native kernel does not
+    apply."""
+    if not _loss_rows_usable(logits, out):
+        return False
+    _library().log_sum_exp_rows(_ptr(logits), _ptr(out), *logits.shape, torch.get_num_threads())
+    return True
+
+
+def softmax_grad_rows_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+                       scale: torch.Tensor) -> bool:
+    """logits [rows, V] <- scale (softmax(logits) - one_hot(targets)) in place, softmax from the
+    rows' log-sum-exp lse; False where the native kernel does not apply. Raises ValueError for a
+    target outside the vocabulary."""
+    if (not _loss_rows_usable(logits, lse, scale) or targets.dtype != torch.int64
+            or targets.shape != lse.shape or not targets.is_contiguous()
+            or targets.device.type != "cpu"):
+        return False
+    bad = _library().softmax_grad_rows(_ptr(logits), _ptr(lse), _ids_ptr(targets), _ptr(scale),
+                                       *logits.shape, torch.get_num_threads())
+    if bad:
+        raise ValueError(f"{bad} labels outside the vocabulary [0, {logits.shape[1]})")
+    return True
 
 
 # Tokens between the KDA recurrence's checkpoints: the backward holds one segment's states

@@ -823,3 +823,45 @@ void attention_backward(const float *q, const float *k, const float *v, const fl
     }
   }
 }
+
+/* The LM head's token cross entropy (model/head.py _ChunkedLinearCrossEntropy) on one chunk's
+ * logits [rows, V], a row at a time (a row of the vocabulary stays in L1 between its passes;
+ * torch makes five passes over the chunk, 8 MiB in k3_tiny, for each). The forward's
+ * lse[r] = log(sum_i exp(x_i - max)) + max, the max taken as 0 where it is infinite (as
+ * model/head.py _log_sum_exp_ and torch.logsumexp). */
+void log_sum_exp_rows(const float *logits, float *lse, int64_t rows, int64_t V, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * V >= PARALLEL_GRAIN)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *x = logits + r * V;
+    float top = NEG_INF, total = 0.0f;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < V; ++i) top = x[i] > top ? x[i] : top;
+    if (top == NEG_INF || top == -NEG_INF) top = 0.0f;  /* a NaN in the row: a NaN sum */
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < V; ++i) total += expf(x[i] - top);
+    lse[r] = logf(total) + top;
+  }
+}
+
+/* Its backward: each row of logits turned in place into scale[r] (softmax - one_hot(target[r]))
+ * with softmax = exp(x - lse[r]), in the torch form's order. Returns the number of targets
+ * outside [0, V) (those rows are left as they were). */
+int64_t softmax_grad_rows(float *logits, const float *lse, const int64_t *targets,
+                          const float *scale, int64_t rows, int64_t V, int threads) {
+  int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : bad) \
+    if (rows * V >= PARALLEL_GRAIN)
+  for (int64_t r = 0; r < rows; ++r) {
+    float *x = logits + r * V, m = lse[r], s = scale[r];
+    if (targets[r] < 0 || targets[r] >= V) {
+      ++bad;
+      continue;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) x[i] = expf(x[i] - m);
+    x[targets[r]] += -1.0f;
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) x[i] *= s;
+  }
+  return bad;
+}
