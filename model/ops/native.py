@@ -1,5 +1,5 @@
-"""C kernels for fp32 CPU training, on by default: the element-wise chains, the KDA recurrence
-and attention over documents.
+"""C kernels for fp32 CPU training, on by default: the element-wise chains, the KDA layer's
+inputs and recurrence, attention over documents and the LM head's loss passes.
 
 Eager torch makes one pass over memory per operator, and at small widths its per-operator cost
 is most of a CPU step (benchmarks/RESULTS.md: the demo's step by model width). These are loops

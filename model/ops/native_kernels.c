@@ -1,12 +1,14 @@
-/* Element-wise chains of the model as one loop each, for fp32 CPU tensors (model/ops/native.py
- * builds this file with the system C compiler and calls it through ctypes).
+/* The model's fp32 CPU hot paths as C loops (model/ops/native.py builds this file with the
+ * system C compiler and calls it through ctypes): the element-wise chains, the KDA layer's
+ * inputs and recurrence, attention over documents and the LM head's loss passes.
  *
- * Every tensor is passed as rows of `width` contiguous floats, `*_stride` floats apart (a view
- * of a wider buffer, such as the gate half of a fused projection, needs no copy); outputs are
- * dense [rows, width]. The loops are element by element with no reductions, so results do not
- * depend on the thread count. The math follows the plain references in model/activations.py
- * operation by operation; expf and tanhf come from glibc's vector math library (libmvec,
- * declared below for the vectoriser), which keeps IEEE semantics for infinities and NaN. */
+ * Element-wise operands are passed as rows of `width` contiguous floats, `*_stride` floats apart
+ * (a view of a wider buffer, such as the gate half of a fused projection, needs no copy);
+ * outputs are dense [rows, width] unless a stride is passed for them. Results do not depend on
+ * the thread count: a thread owns whole rows (or documents and heads), and sums over rows go
+ * per fixed block of rows (block_count below). The math follows the plain references operation
+ * by operation; expf and tanhf come from glibc's vector math library (libmvec, declared below
+ * for the vectoriser), which keeps IEEE semantics for infinities and NaN. */
 
 #include <omp.h>
 #include <stdint.h>
