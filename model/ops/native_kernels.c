@@ -357,17 +357,18 @@ void kda_inputs_forward(const float *q, const float *k, const float *beta_logits
                         const float *z, const float *a_log, float *q_out, float *k_out,
                         float *beta, float *g, int64_t rows, int64_t H, int64_t K,
                         float lower_bound, float eps, int threads) {
+  float decay_scale[H];  /* exp(A_h), once per call rather than per token */
+  for (int64_t h = 0; h < H; ++h) decay_scale[h] = expf(a_log[h]);
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (rows * H * K >= PARALLEL_GRAIN)
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < H; ++h) {
       int64_t x = (r * H + h) * K;
-      float decay_scale = expf(a_log[h]);
       l2_normalize(q + x, q_out + x, K, eps);
       l2_normalize(k + x, k_out + x, K, eps);
       beta[r * H + h] = sigmoid(beta_logits[r * H + h]);
 #pragma omp simd
-      for (int64_t i = 0; i < K; ++i) g[x + i] = lower_bound * sigmoid(decay_scale * z[x + i]);
+      for (int64_t i = 0; i < K; ++i) g[x + i] = lower_bound * sigmoid(decay_scale[h] * z[x + i]);
     }
 }
 
@@ -398,6 +399,8 @@ void kda_inputs_backward(const float *q, const float *k, const float *beta_logit
                          float *da_log, int64_t rows, int64_t H, int64_t K, float lower_bound,
                          float eps, int64_t block_rows, int threads) {
   int64_t blocks = block_count(rows, block_rows);
+  float decay_scale[H];
+  for (int64_t h = 0; h < H; ++h) decay_scale[h] = expf(a_log[h]);
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (rows * H * K >= PARALLEL_GRAIN)
   for (int64_t block = 0; block < blocks; ++block) {
@@ -406,23 +409,23 @@ void kda_inputs_backward(const float *q, const float *k, const float *beta_logit
     for (int64_t r = block * block_rows; r < end; ++r)
       for (int64_t h = 0; h < H; ++h) {
         int64_t x = (r * H + h) * K, y = r * H + h;
-        float decay_scale = expf(a_log[h]), sum = 0.0f;
+        float sum = 0.0f;
         l2_normalize_backward(q + x, grad_q + x, dq + x, K, eps);
         l2_normalize_backward(k + x, grad_k + x, dk + x, K, eps);
         float b = sigmoid(beta_logits[y]);
         dbeta_logits[y] = grad_beta[y] * (1.0f - b) * b;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < K; ++i) {
-          float s = sigmoid(decay_scale * z[x + i]);
+          float s = sigmoid(decay_scale[h] * z[x + i]);
           float d_pre = grad_g[x + i] * lower_bound * (1.0f - s) * s;
-          dz[x + i] = d_pre * decay_scale;
+          dz[x + i] = d_pre * decay_scale[h];
           sum += d_pre * z[x + i];
         }
         acc[h] += sum;
       }
   }
   sum_blocks(partials, blocks, H, da_log);
-  for (int64_t h = 0; h < H; ++h) da_log[h] *= expf(a_log[h]);
+  for (int64_t h = 0; h < H; ++h) da_log[h] *= decay_scale[h];
 }
 
 /* Kimi Delta Attention token by token (model/ops/kda.py kda_recurrent, the reference). Per head,
