@@ -20,8 +20,8 @@ clipping, balancers), on the same prefetched batches, with `--fused` for eager a
 kernels alternated in that one process (the side-by-side figure: separate runs differ by up to
 20% on a shared machine); `--ops` counts the operators one `train_step` dispatches, by caller
 (a figure that does not move with the machine's load); `--settings` runs torch ops, the
-native kernels and native + fused kernels, with the demo's micro-batches and with the whole
-global batch as one, back to back on the same batches in one process; `--compile-cost` times
+native kernels and native + fused kernels, with the demo's micro-batches, the whole global batch
+as one and half of it, back to back on the same batches in one process; `--compile-cost` times
 the first fused step with an empty and with a warm inductor cache, in two fresh processes;
 `--widths 64 128 256` times the eager step with the model at those hidden sizes (heads, low
 ranks and MLPs scaled with it) in one process.
@@ -158,11 +158,15 @@ def _loop_on_prefetched_batches(threads: int, steps: int):
 
 
 def _train_step_of(cfg) -> tuple[Any, list, Callable[[list], None]]:
-    """The loop's model, optimizers and its own train_step on one global batch, on CPU."""
+    """The loop's model, optimizers and its own train_step on one global batch, on CPU, in the
+    process settings k3-train makes (host allocator, deterministic algorithms)."""
     import torch
 
-    from train.loop import build_parallel_model, train_step
+    from train.host_allocator import keep_freed_host_memory
+    from train.loop import build_parallel_model, seed_everything, train_step
 
+    keep_freed_host_memory()
+    seed_everything(cfg.seed, cfg.deterministic)
     device = torch.device("cpu")
     model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
 
@@ -313,8 +317,8 @@ def _kernels(name: str):
 
 def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None:
     """Torch ops, native and native + fused kernels (model/ops/native.py, fused_kernels), with
-    the demo's micro-batches and with the whole global batch as one micro-batch, on the same
-    `steps` prefetched global batches in one process: all six settings run back to back on each
+    the demo's micro-batches, the whole global batch as one micro-batch and half of it, on the
+    same `steps` prefetched global batches in one process: all settings run back to back on each
     batch, their order reversed every pass (the machine's drift between separate runs is larger
     than these differences), with MFU against the best matmul probe before and after."""
     import time
@@ -325,7 +329,9 @@ def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None
     with _loop_on_prefetched_batches(threads, steps) as loop:
         whole = loop.cfg.stage.global_batch_size
         batches = {loop.cfg.stage.micro_batch_size: loop.global_batches}
-        batches.setdefault(whole, loop.prefetch(whole))
+        for size in (whole // 2, whole):
+            if size not in batches:
+                batches[size] = loop.prefetch(size)
         settings = [(kernels, size) for kernels in _KERNELS for size in batches]
         for kernels, size in settings:  # warm-up; compiles the fused kernels
             with _kernels(kernels):

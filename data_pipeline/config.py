@@ -369,7 +369,7 @@ class StageConfig:
 
     name: str = "tiny"
     seq_len: int = 512
-    micro_batch_size: int = 4  # rows per data-parallel rank per forward
+    micro_batch_size: int = 8  # rows per data-parallel rank per forward
     global_batch_size: int = 8  # rows per optimizer step over all ranks
     max_docs_per_row: int = 64  # document slots per row (cu_seqlens has B * this + 1 entries)
     num_workers: int = 0  # loader worker processes

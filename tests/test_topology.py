@@ -283,7 +283,7 @@ def test_four_gloo_ranks_run_collectives_over_every_group_and_mesh(tmp_path):
     (dict(pipeline=2, expert=2), 4, "parallel.expert=2 is invalid: must be 1 with "
                                     "parallel.pipeline=2: expert parallelism"),
     (dict(pipeline=2, data=2, data_shard="full"), 4, "parallel.data_shard='full' is invalid"),
-    # the default stage: global batch 8 in micro-batches of 4 rows
+    # global batch 8 in micro-batches of 4 rows
     (dict(pipeline=2, data=2), 4, "stage.global_batch_size=8 is invalid: must give at least 2 "
                                   "micro-batches per data-parallel rank"),
     (dict(pipeline=2, pipeline_schedule="ZBVZeroBubble", virtual_stages=2), 2,
@@ -293,9 +293,46 @@ def test_train_config_validation_uses_the_topology(overrides, world, message):
     from train.config import TrainConfig, validate_train_config
 
     cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg.stage.micro_batch_size = 4
     with pytest.raises(ConfigError) as err:
         validate_train_config(cfg, world)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    # the default stage: global batch 8 as one micro-batch of 8 rows
+    (dict(data=2), 2, "= 8*2 = 16: set stage.micro_batch_size=4"),
+    (dict(pipeline=2), 2, "(global_batch_size / (micro_batch_size*data) = 1): "
+                             "set stage.micro_batch_size=4"),
+    (dict(pipeline=2, pipeline_schedule="ZBVZeroBubble", virtual_stages=2), 2,
+     "must give at least 4 micro-batches per data-parallel rank with parallel.pipeline=2 and "
+     "pipeline_schedule=ZBVZeroBubble (global_batch_size / (micro_batch_size*data) = 1): "
+     "set stage.micro_batch_size=2"),
+    (dict(data=4), 4, "= 8*4 = 32: set stage.micro_batch_size=2"),
+    (dict(data=2, pipeline=2), 4, "= 8*2 = 16: set stage.micro_batch_size=2"),
+    (dict(data=3), 3, "= 8*3 = 24: raise stage.global_batch_size to a multiple of 24"),
+])
+def test_a_batch_that_does_not_split_is_refused_with_what_fits(overrides, world, message):
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(**overrides))
+    with pytest.raises(ConfigError) as err:
+        validate_train_config(cfg, world)
+    assert message in str(err.value)
+    if "set stage.micro_batch_size=" in message:  # and what it names fits
+        cfg.stage.micro_batch_size = int(message.rsplit("=", 1)[1])
+        assert validate_train_config(cfg, world) is cfg
+
+
+def test_a_pipeline_batch_too_small_for_its_stages_names_the_global_batch_that_fits():
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(data=2, pipeline=2))
+    cfg.stage.micro_batch_size = 1
+    cfg.stage.global_batch_size = 2
+    with pytest.raises(ConfigError, match=r"= 1\): raise stage.global_batch_size to a "
+                                          r"multiple of 4"):
+        validate_train_config(cfg, 4)
 
 
 def test_train_config_accepts_pipeline_layouts():
@@ -305,6 +342,7 @@ def test_train_config_accepts_pipeline_layouts():
                             (_parallel(pipeline=2, pipeline_schedule="Interleaved1F1B",
                                        virtual_stages=2), 2)):
         cfg = TrainConfig(parallel=parallel)
+        cfg.stage.micro_batch_size = 4  # two micro-batches of the 8 rows
         assert validate_train_config(cfg, world) is cfg
 
 

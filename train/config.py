@@ -187,14 +187,33 @@ def _check_pipeline(cfg: TrainConfig, topo: Topology, micro_batches: int) -> Non
         _fail("parallel.data_shard", topo.data_shard,
               f"must be 'none' or 'optimizer' with parallel.pipeline={topo.pp}: FSDP2 is not "
               "combined with the pipeline yet")
-    # torch's schedules (1F1B, the V schedules) need a micro-batch for every stage.
-    stages = topo.pp * (topo.virtual_stages if topo.pipeline_schedule != "Interleaved1F1B"
-                        else 1)
+    stages = _least_micro_batches(topo)
     if micro_batches < stages:
         _fail("stage.global_batch_size", cfg.stage.global_batch_size,
               f"must give at least {stages} micro-batches per data-parallel rank with "
               f"parallel.pipeline={topo.pp} and pipeline_schedule={topo.pipeline_schedule} "
-              f"(global_batch_size / (micro_batch_size*data) = {micro_batches})")
+              f"(global_batch_size / (micro_batch_size*data) = {micro_batches}): "
+              + _micro_batch_hint(cfg.stage, topo.dp, stages))
+
+
+def _least_micro_batches(topo: Topology) -> int:
+    """Micro-batches a step needs per data-parallel rank: torch's schedules (1F1B, the V
+    schedules) need one for every stage."""
+    if topo.pp == 1:
+        return 1
+    return topo.pp * (topo.virtual_stages if topo.pipeline_schedule != "Interleaved1F1B" else 1)
+
+
+def _micro_batch_hint(stage, dp: int, micro_batches: int) -> str:
+    """What to change when the global batch does not split into at least `micro_batches`
+    micro-batches per data-parallel rank: the largest micro-batch below the configured one
+    that does, or else the global batch size that does."""
+    rows = stage.global_batch_size // dp if stage.global_batch_size % dp == 0 else 0
+    for size in range(min(stage.micro_batch_size, rows // micro_batches), 0, -1):
+        if rows % size == 0:
+            return f"set stage.micro_batch_size={size}"
+    least = stage.micro_batch_size * dp * micro_batches
+    return f"raise stage.global_batch_size to a multiple of {least}"
 
 
 def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
@@ -264,7 +283,8 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
     if cfg.stage.global_batch_size % micro:
         _fail("stage.global_batch_size", cfg.stage.global_batch_size,
               f"must be a multiple of micro_batch_size*data_parallel = "
-              f"{cfg.stage.micro_batch_size}*{dp} = {micro}")
+              f"{cfg.stage.micro_batch_size}*{dp} = {micro}: "
+              + _micro_batch_hint(cfg.stage, dp, _least_micro_batches(topo)))
     if topo.pp > 1:
         _check_pipeline(cfg, topo, cfg.stage.global_batch_size // micro)
     if cfg.stage.seq_len > cfg.model.max_seq_len:

@@ -27,6 +27,7 @@ from .config import TrainConfig, validate_train_config
 from .data import build_loader
 from .distributed import DistEnv, init_distributed, init_topology, shutdown
 from .flops import PeakFlops, training_flops_per_token, vision_training_flops
+from .host_allocator import keep_freed_host_memory
 from .metrics import MetricsLogger
 from .optim.factory import build_optimizer, describe_groups, set_lr
 from .precision.plan import PrecisionPlan
@@ -168,6 +169,7 @@ def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: to
 
 def train(cfg: TrainConfig) -> int:
     """Runs (or resumes) the configured training; returns the process exit code."""
+    host_memory = keep_freed_host_memory()
     env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_train_config(cfg, env.world_size)
     check_kernel_compiler(cfg, env.device)
@@ -219,6 +221,7 @@ def train(cfg: TrainConfig) -> int:
                  "kernels: %s", cfg.model.name, cfg.steps, dp_size, accum,
                  cfg.stage.micro_batch_size, cfg.stage.seq_len, precision.describe(),
                  kernels_in_use(cfg, precision, env.device))
+        log.info("host memory: %s", host_memory)
         log.info("layout: %s", topology.describe())
     try:
         while step < cfg.steps:
