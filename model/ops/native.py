@@ -37,8 +37,9 @@ _SOURCE = Path(__file__).with_name("native_kernels.c")
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 _enabled = os.environ.get("K3_NATIVE_KERNELS", "1") != "0"
 
-_F32_P = ctypes.POINTER(ctypes.c_float)
-_I64_P = ctypes.POINTER(ctypes.c_int64)
+# The C side's float* and int64_t* go over as the tensors' data_ptr() integers: a typed
+# pointer would need a ctypes.cast per argument (about 2 us; a step passes thousands).
+_F32_P = _I64_P = ctypes.c_void_p
 _SIGNATURES = {
     "situ_glu_forward": [_F32_P] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2
                         + [ctypes.c_int],
@@ -191,8 +192,8 @@ def _grad_rows(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
     return _as_rows(grad) or _as_rows(grad.contiguous())
 
 
-def _ptr(t: torch.Tensor):
-    return ctypes.cast(t.data_ptr(), _F32_P)
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
 
 
 def situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, beta_gate: float,
@@ -245,7 +246,7 @@ def _conv_operands(x, weight, segments):
 
 
 def _ids_ptr(segments: torch.Tensor | None):
-    return None if segments is None else ctypes.cast(segments.data_ptr(), _I64_P)
+    return None if segments is None else segments.data_ptr()
 
 
 def conv_silu_forward(x: torch.Tensor, weight: torch.Tensor,
