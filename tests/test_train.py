@@ -178,3 +178,20 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, sample_data_di
         count = count + 1 if s else 0
         expected.append(count)
     assert [r["nonfinite_in_a_row"] for r in rows] == expected
+
+
+def test_deterministic_runs_use_deterministic_algorithms_without_filling_new_memory():
+    import torch
+
+    from train.loop import seed_everything
+
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
+    try:
+        seed_everything(0, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
