@@ -221,9 +221,10 @@ def train(cfg: TrainConfig) -> int:
     exit_code = EXIT_DONE
     failed = True
     if env.is_main:
-        log.info("training %s for %d steps: dp=%d, %d micro-batches of %d x %d per rank, %s, "
+        log.info("training %s for %d steps: dp=%d, %d micro-batch%s of %d x %d per rank, %s, "
                  "kernels: %s", cfg.model.name, cfg.steps, dp_size, accum,
-                 cfg.stage.micro_batch_size, cfg.stage.seq_len, precision.describe(),
+                 "" if accum == 1 else "es", cfg.stage.micro_batch_size, cfg.stage.seq_len,
+                 precision.describe(),
                  kernels_in_use(cfg, precision, env.device))
         log.info("host memory: %s", host_memory)
         log.info("layout: %s", topology.describe())
