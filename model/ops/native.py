@@ -245,10 +245,6 @@ def _conv_operands(x, weight, segments):
     return weight.t().contiguous(), segments
 
 
-def _ids_ptr(segments: torch.Tensor | None):
-    return None if segments is None else segments.data_ptr()
-
-
 def conv_silu_forward(x: torch.Tensor, weight: torch.Tensor,
                       segments: torch.Tensor | None) -> torch.Tensor | None:
     """doc_causal_conv1d_silu_reference(x, weight, segments) (model/short_conv.py) for a
@@ -259,7 +255,7 @@ def conv_silu_forward(x: torch.Tensor, weight: torch.Tensor,
     taps, segments = operands
     out = torch.empty_like(x)
     B, T, C = x.shape
-    _library().conv_silu_forward(_ptr(x), _ptr(taps), _ids_ptr(segments), _ptr(out), B, T, C,
+    _library().conv_silu_forward(_ptr(x), _ptr(taps), _optional_ptr(segments), _ptr(out), B, T, C,
                                  taps.shape[0], torch.get_num_threads())
     return out
 
@@ -278,7 +274,7 @@ def conv_silu_backward(x: torch.Tensor, weight: torch.Tensor, segments: torch.Te
     blocks = -(-B * T // _BLOCK_ROWS)
     grad_pre, grad_x = torch.empty_like(x), torch.empty_like(x)
     partials, grad_taps = torch.empty(blocks, K, C), torch.empty(K, C)
-    _library().conv_silu_backward(_ptr(x), _ptr(taps), _ids_ptr(segments), _ptr(grad_out),
+    _library().conv_silu_backward(_ptr(x), _ptr(taps), _optional_ptr(segments), _ptr(grad_out),
                                   _ptr(grad_pre), _ptr(grad_x), _ptr(partials), _ptr(grad_taps),
                                   B, T, C, K, _BLOCK_ROWS, torch.get_num_threads())
     return grad_x, grad_taps.t().contiguous()
@@ -479,7 +475,7 @@ def softmax_grad_rows_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.T
             or targets.shape != lse.shape or not targets.is_contiguous()
             or targets.device.type != "cpu"):
         return False
-    bad = _library().softmax_grad_rows(_ptr(logits), _ptr(lse), _ids_ptr(targets), _ptr(scale),
+    bad = _library().softmax_grad_rows(_ptr(logits), _ptr(lse), _optional_ptr(targets), _ptr(scale),
                                        *logits.shape, torch.get_num_threads())
     if bad:
         raise ValueError(f"{bad} labels outside the vocabulary [0, {logits.shape[1]})")
@@ -518,8 +514,8 @@ def kda_forward(q, k, v, g, beta, initial_state, bounds, scale: float, floor: fl
     first, work, threads = _kda_scratch(bounds, K + 2 * V)
     count = _library().kda_forward(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _optional_ptr(initial_state),
-        _ids_ptr(bounds), N, tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(o), _ptr(final),
-        _ptr(checkpoints), _ids_ptr(first), _ptr(work), threads)
+        _optional_ptr(bounds), N, tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(o), _ptr(final),
+        _ptr(checkpoints), _optional_ptr(first), _ptr(work), threads)
     if count < 0:
         raise ValueError(f"cu_seqlens {bounds.tolist()} is invalid: must start at 0, never "
                          f"decrease and end at the token count {tokens}")
@@ -539,10 +535,10 @@ def kda_backward(q, k, v, g, beta, checkpoints, bounds, scale: float, floor: flo
     grad_initial = torch.empty(N, H, K, V) if need_initial else None
     first, work, threads = _kda_scratch(bounds, (KDA_SEGMENT + 2) * K * V + KDA_SEGMENT * V + 4 * K)
     _library().kda_backward(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(checkpoints), _ids_ptr(bounds), N,
+        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(checkpoints), _optional_ptr(bounds), N,
         tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(grad_o), _optional_ptr(grad_final),
         _ptr(dq), _ptr(dk), _ptr(dv), _ptr(dg), _ptr(dbeta), _optional_ptr(grad_initial),
-        _ids_ptr(first), _ptr(work), threads)
+        _optional_ptr(first), _ptr(work), threads)
     return dq, dk, dv, dg, dbeta, grad_initial
 
 
