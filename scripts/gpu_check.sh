@@ -317,11 +317,11 @@ PY
 
 section_moonep_symm_mem() {
   # One NCCL rank per GPU (up to 4); the test skips itself without NVSHMEM (its reason is printed).
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_moonep_symm_mem.py -rs
+  "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_moonep_symm_mem.py -rs
 }
 
 section_te_tests() {
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_te_backend.py -rs
+  "$PY" -m pytest -q -p no:cacheprovider tests/unit/train/test_te_backend.py -rs
 }
 
 section_train_and_export() {

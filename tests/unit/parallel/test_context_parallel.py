@@ -1,0 +1,160 @@
+"""Context parallelism in one process: the batch sharder, the KDA state math of KCP (fragments
+composed by the scan against kda_recurrent over whole rows) and k3-train's check of the context
+size. tests/distributed/test_context_parallel.py runs the layers and the model in gloo worlds."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from model.batch import K3Batch, VisionInput, cu_seqlens_from_lengths, segment_ids
+from model.head import IGNORE_INDEX
+from model.kda import kda_gate
+from model.ops.kda import kda_chunk, kda_recurrent
+from parallel.context_parallel import (
+    add_incoming_state,
+    fragment_continues,
+    fragment_summary,
+    incoming_states,
+    shard_batch,
+)
+from tests.helpers.tolerances import assert_close_rms
+
+T = 128
+# Documents that start exactly on a fragment edge (64, 96), end just after one (67) or just
+# before one (31: the conv halo crosses a boundary), and one that spans whole fragments
+# (31..97 covers fragments 1 and 2 of CP4).
+ROWS = [[64, 3, 29, 32], [31, 66, 31]]
+STATE_TOL = 5e-3  # KDA states and outputs against the recurrence (fla's convention)
+EXACT_TOL = 1e-5  # a parallel layout against one process on the same chunk form
+
+
+def make_batch(rows=ROWS, seq_len=T, seed=0, vocab=2048) -> K3Batch:
+    """Random tokens; labels are the next token of the same document (-100 at each end)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, vocab, (len(rows), seq_len), generator=gen)
+    cu = cu_seqlens_from_lengths(rows, seq_len)
+    seg = segment_ids(cu, tokens.numel()).view_as(tokens)
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    same = seg[:, 1:] == seg[:, :-1]
+    labels[:, :-1] = torch.where(same, tokens[:, 1:], IGNORE_INDEX)
+    return K3Batch(tokens, labels, cu)
+
+
+# ---- the sharder ----
+
+def test_shard_batch_cuts_every_row_and_rebases_the_documents():
+    batch = make_batch()
+    shards = [shard_batch(batch, f, 4) for f in range(4)]
+    assert torch.equal(torch.cat([s.tokens for s in shards], 1), batch.tokens)
+    assert torch.equal(torch.cat([s.labels for s in shards], 1), batch.labels)
+    # Each fragment's documents are the whole rows' documents cut at the fragment's edges.
+    global_seg = segment_ids(batch.cu_seqlens, 2 * T).view(2, T)
+    for s in shards:
+        local = segment_ids(s.cu_seqlens, 2 * 32).view(2, 32)
+        cut = global_seg[:, s.start:s.start + 32]
+        assert torch.equal(local[:, 1:] != local[:, :-1], cut[:, 1:] != cut[:, :-1])
+        assert s.cu_seqlens.shape == batch.cu_seqlens.shape  # static: N + 1 boundaries
+        assert torch.equal(s.row_segments, global_seg)
+    continues = fragment_continues(global_seg, 4)
+    # row 0 starts documents at 64 and 96; row 1's document 31..97 continues into 32 and 64.
+    assert continues.tolist() == [[False, False], [True, True], [False, True], [False, True]]
+
+
+def test_shard_batch_keeps_the_vision_tokens_of_its_fragment():
+    batch = make_batch()
+    positions = torch.tensor([5, 30, 31, 32, 33, 130, 200, 255])  # flattened over 2 x 128
+    batch.vision = VisionInput(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), positions)
+    seen = []
+    for f in range(4):
+        s = shard_batch(batch, f, 4)
+        local = s.vision.token_positions
+        back = (local // 32) * T + local % 32 + s.start  # local flattened -> global flattened
+        assert torch.equal(back, positions[s.vision.output_rows])
+        seen += s.vision.output_rows.tolist()
+    assert sorted(seen) == list(range(len(positions)))
+
+
+def test_shard_batch_rejects_what_it_cannot_split():
+    with pytest.raises(ValueError, match="parallel.context=3"):
+        shard_batch(make_batch(), 0, 3)
+
+
+def test_k3_train_validates_the_context_size():
+    from model.config import ConfigError
+    from train.config import ParallelConfig, TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=ParallelConfig(context=2))
+    assert validate_train_config(cfg, 2) is cfg
+    cfg.stage.seq_len = 127
+    with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
+        validate_train_config(cfg, 2)
+
+
+# ---- KCP state math in one process ----
+
+def kda_inputs(B=2, H=2, K=16, V=24, gate="lower_bound", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    # The gate near its slow end: states carry across fragments with a visible size.
+    g = kda_gate(torch.randn(B, T, H, K, generator=gen) - 4, torch.zeros(H), gate, -5.0)
+    beta = torch.rand(B, T, H, generator=gen)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def recurrent_states_entering(inputs, cu, F):
+    """[F, B, H, K, V]: the recurrence's state of each row's document at each fragment start."""
+    B = inputs[0].shape[0]
+    L = T // F
+    seg = segment_ids(cu, B * T).view(B, T)
+    states = []
+    for f in range(F):
+        per_row = []
+        for b in range(B):
+            begin = int((seg[b] == seg[b, f * L]).nonzero()[0]) if f else f * L
+            pieces = [x.detach()[b:b + 1, begin:f * L] for x in inputs]
+            if f == 0 or pieces[0].shape[1] == 0:
+                per_row.append(torch.zeros(inputs[0].shape[2], inputs[0].shape[3],
+                                           inputs[2].shape[3]))
+            else:
+                per_row.append(kda_recurrent(*pieces, output_final_state=True)[1][0])
+        states.append(torch.stack(per_row))
+    return torch.stack(states)
+
+
+@pytest.mark.parametrize("gate, bound", [("lower_bound", -5.0), ("kimi_linear", None)])
+@pytest.mark.parametrize("F", [2, 4])
+def test_fragments_composed_by_the_scan_equal_the_recurrence(gate, bound, F):
+    inputs = kda_inputs(gate=gate)
+    batch = make_batch()
+    flat = [x.reshape(1, 2 * T, *x.shape[2:]) for x in inputs]
+    o_ref, _ = kda_recurrent(*flat, cu_seqlens=batch.cu_seqlens)
+    do = torch.randn_like(o_ref)
+    ref_grads = torch.autograd.grad((o_ref * do).sum(), inputs)
+
+    kda = functools.partial(kda_chunk, chunk_size=16, backend="torch", lower_bound=bound)
+    L = T // F
+    shards = [shard_batch(batch, f, F) for f in range(F)]
+    parts = []
+    for s in shards:
+        local = [x[:, s.start:s.start + L].reshape(1, 2 * L, *x.shape[2:]) for x in inputs]
+        parts.append(fragment_summary(kda, *local, s.cu_seqlens, rows=2))
+    incoming = incoming_states(torch.stack([p[2] for p in parts]),
+                               fragment_continues(shards[0].row_segments, F))
+    assert_close_rms(recurrent_states_entering(inputs, batch.cu_seqlens, F)[1:], incoming[1:],
+                     STATE_TOL, "incoming states")
+    assert incoming[0].abs().max() == 0
+    o = torch.cat([add_incoming_state(o0, p, s_in).view(2, L, *o0.shape[2:])
+                   for (o0, p, _), s_in in zip(parts, incoming)], dim=1)
+    o = o.reshape(o_ref.shape)
+    assert_close_rms(o_ref, o, STATE_TOL, "o")
+    grads = torch.autograd.grad((o * do).sum(), inputs)
+    for name, ref, got in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_grads, grads):
+        assert_close_rms(ref, got, 0.008 if name in "dq dk dv" else 0.02, name)
+
+
+# ---- one spawned world of 4 ranks ----

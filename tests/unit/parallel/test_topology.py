@@ -1,0 +1,293 @@
+"""Topology: validation names the fields; groups and meshes equal megatron-core's RankGenerator
+(1024 ranks on the fake process group). tests/distributed/test_topology.py runs them on gloo."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.parallel_state import RankGenerator
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from model.config import ConfigError, k3_full, k3_tiny
+from parallel.topology import MEGATRON_ORDER, Topology
+from train.config import MoonEPConfig, ParallelConfig
+
+
+def _parallel(**kw) -> ParallelConfig:
+    moonep = {k.removeprefix("moonep_"): kw.pop(k) for k in list(kw) if k.startswith("moonep_")}
+    return ParallelConfig(moonep=MoonEPConfig(**moonep), **kw)
+
+
+# ---- validation, before any process group ----
+
+@pytest.mark.parametrize("kw, world, model, message", [
+    (dict(data=3), 4, None, "parallel.data=3 is invalid: data*tensor*context*pipeline must equal"),
+    (dict(tensor=2, context=2), 6, None, "parallel.tensor*context*pipeline=4 is invalid"),
+    (dict(tensor=0), 4, None, "parallel.tensor=0"),
+    (dict(tensor=3), 6, k3_tiny(), "model.kda.num_heads=2 is invalid: must be divisible by "
+                                   "parallel.tensor=3"),
+    (dict(tensor=2), 2, dataclasses.replace(k3_tiny(), vocab_size=2049),
+     "model.vocab_size=2049 is invalid: must be divisible by parallel.tensor=2"),
+    (dict(tensor=4), 4, dataclasses.replace(k3_tiny(), kda=dataclasses.replace(
+        k3_tiny().kda, num_heads=4), mla=dataclasses.replace(k3_tiny().mla, num_heads=4),
+        dense_intermediate=130), "model.dense_intermediate=130"),
+    (dict(expert=3), 3, k3_tiny(), "model.moe.num_experts=8 is invalid: must be divisible by "
+                                   "parallel.expert=3"),
+    (dict(expert_tensor=3), 3, k3_tiny(), "model.moe.expert_intermediate=64 is invalid: must be "
+                                          "divisible by parallel.expert_tensor=3"),
+    (dict(expert=8), 4, None, "parallel.expert*expert_tensor=8 is invalid: must divide the "
+                              "ranks of one pipeline stage"),
+    (dict(expert=2, expert_tensor=2, pipeline=2), 4, None, "parallel.expert*expert_tensor=4"),
+    (dict(data_replicate=3, data_shard="full"), 4, None, "parallel.data_replicate=3 is invalid: "
+                                                        "must divide parallel.data=4"),
+    (dict(data_replicate=2), 4, None, "parallel.data_replicate=2 is invalid: must be 1 with "
+                                      "parallel.data_shard=none"),
+    (dict(data_replicate=2, data_shard="full", expert=4), 4, None,
+     "parallel.data_replicate=2 is invalid: must divide expert_data"),
+    (dict(data_shard="zero3"), 4, None, "parallel.data_shard='zero3'"),
+    (dict(expert_dispatch="alltoall"), 4, None, "parallel.expert_dispatch='alltoall'"),
+    (dict(moonep_transport="nvshmem"), 4, None, "parallel.moonep.transport='nvshmem'"),
+    (dict(moonep_alignment=0), 4, None, "parallel.moonep.alignment=0"),
+    (dict(pipeline_schedule="GPipe"), 4, None, "parallel.pipeline_schedule='GPipe'"),
+    (dict(pipeline=2, virtual_stages=2), 4, None,
+     "parallel.virtual_stages=2 is invalid: must be == 1 with parallel.pipeline_schedule=1F1B"),
+    (dict(pipeline=2, pipeline_schedule="Interleaved1F1B"), 4, None,
+     "parallel.virtual_stages=1 is invalid: must be >= 2"),
+    (dict(pipeline=2, pipeline_schedule="DualPipeV", virtual_stages=3), 4, None,
+     "parallel.virtual_stages=3 is invalid: must be == 2"),
+    (dict(pipeline_schedule="ZBVZeroBubble", virtual_stages=2), 4, None,
+     "must be 1 with parallel.pipeline=1"),
+    (dict(pipeline=8, pipeline_schedule="DualPipeV", virtual_stages=2), 8, k3_tiny(),
+     "model.num_layers=8 is invalid: must be >= parallel.pipeline*virtual_stages = 8*2 = 16"),
+    (dict(backend="mpi"), 4, None, "parallel.backend='mpi'"),
+    (dict(timeout_s=0.0), 4, None, "parallel.timeout_s=0.0 is invalid: must be > 0"),
+])
+def test_bad_layouts_are_rejected_naming_the_fields(kw, world, model, message):
+    with pytest.raises(ConfigError) as err:
+        Topology.from_config(_parallel(**kw), world, model)
+    assert message in str(err.value)
+
+
+def test_sizes_resolve_from_the_world():
+    t = Topology.from_config(_parallel(tensor=2, data_replicate=2, data_shard="full"), 16,
+                             k3_tiny())
+    assert (t.pp, t.dp, t.dp_replicate, t.dp_shard, t.cp, t.tp, t.ep, t.etp, t.edp) == \
+        (1, 8, 2, 4, 1, 2, 1, 1, 16)
+    assert t.sequence_parallel
+    # Sequence parallelism only exists over tensor-parallel ranks: ignored (off) without them.
+    assert not Topology.from_config(_parallel(), 4).sequence_parallel
+    t = Topology.from_config(_parallel(tensor=8, context=2, pipeline=8, expert=32,
+                                       expert_tensor=2), 1024, k3_full())
+    assert (t.dp, t.edp) == (8, 2)
+    assert not t.initialized
+    with pytest.raises(RuntimeError, match="initialize"):
+        t.group("tp")
+
+
+def test_symmetric_memory_transport_needs_cuda():
+    t = Topology.from_config(_parallel(moonep_transport="symm_mem"), 1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="parallel.moonep.transport='symm_mem'.*needs CUDA"):
+            t.initialize("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- groups equal megatron-core's RankGenerator ----
+
+def _oracle(t: Topology) -> dict[str, list[list[int]]]:
+    """Every group of every dimension from megatron-core's RankGenerator (no process group)."""
+    dense = RankGenerator(tp=t.tp, ep=1, dp=t.dp, pp=t.pp, cp=t.cp, order=MEGATRON_ORDER)
+    expert = RankGenerator(tp=t.etp, ep=t.ep, dp=t.edp, pp=t.pp, cp=1, order=MEGATRON_ORDER)
+    dp = dense.get_ranks("dp")
+    dp_cp = dense.get_ranks("dp-cp")
+    shard_cp = t.dp_shard * t.cp
+    groups = {
+        "tp": dense.get_ranks("tp"), "cp": dense.get_ranks("cp"), "pp": dense.get_ranks("pp"),
+        "dp": dp, "dp_cp": dp_cp, "dp_cp_tp": dense.get_ranks("tp-cp-dp"),
+        # megatron's partial distributed optimizer: contiguous runs of the dp x cp ranks ...
+        "dp_shard_cp": [g[i:i + shard_cp] for g in dp_cp for i in range(0, len(g), shard_cp)],
+        # ... and of the dp ranks (shards), the replicas strided across them
+        "dp_shard": [g[i:i + t.dp_shard] for g in dp for i in range(0, len(g), t.dp_shard)],
+        "dp_replicate": [g[i::t.dp_shard] for g in dp for i in range(t.dp_shard)],
+        "ep": expert.get_ranks("ep"), "etp": expert.get_ranks("tp"),
+        "edp": expert.get_ranks("dp"),
+    }
+    return {name: sorted(g) for name, g in groups.items()}
+
+
+LAYOUTS_1024 = {
+    "tp8-ep64-pp16": _parallel(tensor=8, expert=64, pipeline=16),
+    "tp8-cp2-pp8-ep32-etp2": _parallel(tensor=8, context=2, pipeline=8, expert=32,
+                                       expert_tensor=2),
+    "hsdp2x4-tp8-cp2-pp8-ep16-etp2": _parallel(tensor=8, context=2, pipeline=8, expert=16,
+                                               expert_tensor=2, data_replicate=2,
+                                               data_shard="full"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS_1024)
+def test_every_group_of_a_1024_rank_layout_equals_the_rank_generator(name):
+    t = Topology.from_config(LAYOUTS_1024[name], 1024, k3_full())
+    oracle = _oracle(t)
+    for dim, groups in oracle.items():
+        assert t.all_groups(dim) == groups, dim
+        assert all(len(g) == t.size(dim) for g in groups), dim
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", LAYOUTS_1024)
+def test_a_1024_rank_layout_initialises_on_the_fake_process_group(name):
+    t = Topology.from_config(LAYOUTS_1024[name], 1024, k3_full())
+    oracle = _oracle(t)
+    world = torch.arange(1024, dtype=torch.int)
+    ranks = [0, 1, 511, 1023, *random.Random(name).sample(range(2, 1023), 4)]
+    for rank in ranks:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=1024)
+        try:
+            t.initialize("cpu")
+            for dim, groups in oracle.items():
+                (expected,) = [g for g in groups if rank in g]
+                group = t.group(dim)
+                assert dist.get_process_group_ranks(group) == expected, (dim, rank)
+                assert t.rank_in(dim) == expected.index(rank) == dist.get_rank(group), dim
+                assert t.mesh(dim).mesh.tolist() == expected, (dim, rank)
+            # megatron-core's own view of this rank agrees
+            assert ps.get_tensor_model_parallel_rank() == t.rank_in("tp")
+            assert ps.get_pipeline_model_parallel_rank() == t.rank_in("pp")
+            assert ps.get_data_parallel_rank() == t.rank_in("dp")
+            assert ps.get_context_parallel_rank() == t.rank_in("cp")
+            assert ps.get_expert_model_parallel_rank() == t.rank_in("ep")
+            assert ps.get_expert_tensor_parallel_rank() == t.rank_in("etp")
+            assert ps.get_expert_data_parallel_rank() == t.rank_in("edp")
+            # n-D meshes span the world exactly as init_device_mesh would lay it out
+            full = t.mesh("pp", "dp_replicate", "dp_shard", "cp", "tp")
+            assert torch.equal(full.mesh, world.reshape(t.pp, t.dp_replicate, t.dp_shard,
+                                                        t.cp, t.tp))
+            experts = t.mesh("pp", "edp", "ep", "etp")
+            assert torch.equal(experts.mesh, world.reshape(t.pp, t.edp, t.ep, t.etp))
+            for mesh, dims in ((full, ("pp", "dp_replicate", "dp_shard", "cp", "tp")),
+                               (experts, ("pp", "edp", "ep", "etp"))):
+                assert list(mesh.get_coordinate()) == [t.rank_in(d) for d in dims]
+                for i, d in enumerate(dims):
+                    assert mesh.get_group(i) is t.group(d)  # the same groups, no new ones
+            dp_tp = t.mesh("dp", "tp")
+            assert dp_tp.mesh[t.rank_in("dp"), t.rank_in("tp")] == rank
+            assert dp_tp.mesh[:, 0].tolist() == t.ranks("dp", int(dp_tp.mesh[0, 0]))
+            assert f"rank {rank}:" in t.describe()
+        finally:
+            t.destroy()
+            dist.destroy_process_group()
+
+
+# ---- a real 4-rank gloo world: groups equal meshes, collectives over each ----
+
+
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (dict(data_shard="zero3"), 2, "parallel.data_shard='zero3'"),
+    (dict(data=3), 2, "parallel.data=3"),
+    (dict(expert_tensor=2), 2, "parallel.expert_tensor=2 is invalid: must be 1: expert tensor "
+                               "parallelism"),
+    (dict(expert=2, moonep_transport="symm_mem"), 2,
+     "parallel.moonep.transport='symm_mem' is invalid: needs CUDA (torch symmetric memory)"),
+    (dict(expert=2, data_shard="optimizer"), 4, "parallel.data_shard='optimizer' is invalid: "
+                                                "must be none or full with parallel.expert=2"),
+    (dict(expert=2, data_shard="full", data_replicate=2), 4,
+     "parallel.data_replicate=2 is invalid: must be 1 with parallel.expert=2"),
+    (dict(pipeline=2, context=2), 4, "parallel.context=2 is invalid: must be 1 with "
+                                     "parallel.pipeline=2: context parallelism"),
+    (dict(pipeline=2, expert=2), 4, "parallel.expert=2 is invalid: must be 1 with "
+                                    "parallel.pipeline=2: expert parallelism"),
+    (dict(pipeline=2, data=2, data_shard="full"), 4, "parallel.data_shard='full' is invalid"),
+    # global batch 8 in micro-batches of 4 rows
+    (dict(pipeline=2, data=2), 4, "stage.global_batch_size=8 is invalid: must give at least 2 "
+                                  "micro-batches per data-parallel rank"),
+    (dict(pipeline=2, pipeline_schedule="ZBVZeroBubble", virtual_stages=2), 2,
+     "must give at least 4 micro-batches"),
+])
+def test_train_config_validation_uses_the_topology(overrides, world, message):
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg.stage.micro_batch_size = 4
+    with pytest.raises(ConfigError) as err:
+        validate_train_config(cfg, world)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    # the default stage: global batch 8 as one micro-batch of 8 rows
+    (dict(data=2), 2, "= 8*2 = 16: set stage.micro_batch_size=4"),
+    (dict(pipeline=2), 2, "(global_batch_size / (micro_batch_size*data) = 1): "
+                             "set stage.micro_batch_size=4"),
+    (dict(pipeline=2, pipeline_schedule="ZBVZeroBubble", virtual_stages=2), 2,
+     "must give at least 4 micro-batches per data-parallel rank with parallel.pipeline=2 and "
+     "pipeline_schedule=ZBVZeroBubble (global_batch_size / (micro_batch_size*data) = 1): "
+     "set stage.micro_batch_size=2"),
+    (dict(data=4), 4, "= 8*4 = 32: set stage.micro_batch_size=2"),
+    (dict(data=2, pipeline=2), 4, "= 8*2 = 16: set stage.micro_batch_size=2"),
+    (dict(data=3), 3, "= 8*3 = 24: raise stage.global_batch_size to a multiple of 24"),
+])
+def test_a_batch_that_does_not_split_is_refused_with_what_fits(overrides, world, message):
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(**overrides))
+    with pytest.raises(ConfigError) as err:
+        validate_train_config(cfg, world)
+    assert message in str(err.value)
+    if "set stage.micro_batch_size=" in message:  # and what it names fits
+        cfg.stage.micro_batch_size = int(message.rsplit("=", 1)[1])
+        assert validate_train_config(cfg, world) is cfg
+
+
+def test_a_pipeline_batch_too_small_for_its_stages_names_the_global_batch_that_fits():
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(data=2, pipeline=2))
+    cfg.stage.micro_batch_size = 1
+    cfg.stage.global_batch_size = 2
+    with pytest.raises(ConfigError, match=r"= 1\): raise stage.global_batch_size to a "
+                                          r"multiple of 4"):
+        validate_train_config(cfg, 4)
+
+
+def test_train_config_accepts_pipeline_layouts():
+    from train.config import TrainConfig, validate_train_config
+
+    for parallel, world in ((_parallel(pipeline=2), 2), (_parallel(pipeline=2, tensor=2), 4),
+                            (_parallel(pipeline=2, pipeline_schedule="Interleaved1F1B",
+                                       virtual_stages=2), 2)):
+        cfg = TrainConfig(parallel=parallel)
+        cfg.stage.micro_batch_size = 4  # two micro-batches of the 8 rows
+        assert validate_train_config(cfg, world) is cfg
+
+
+def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(tensor=2))
+    cfg.stage.seq_len = 127
+    with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
+        validate_train_config(cfg, 2)
+    cfg.parallel.sequence_parallel = False  # then the sequence stays whole on every rank
+    assert validate_train_config(cfg, 2) is cfg
+    cfg.parallel.expert = 2  # ... unless the MoE splits the tokens over the tensor ranks
+    with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
+        validate_train_config(cfg, 2)
+
+
+@pytest.mark.parametrize("overrides", [dict(expert=2, data_shard="full"),
+                                       dict(expert=2, tensor=2),
+                                       dict(expert=2, tensor=2, data_shard="full")])
+def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides):
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg.stage.micro_batch_size = 1
+    assert validate_train_config(cfg, 4) is cfg
