@@ -159,13 +159,15 @@ def _loop_on_prefetched_batches(threads: int, steps: int):
 
 def _train_step_of(cfg) -> tuple[Any, list, Callable[[list], None]]:
     """The loop's model, optimizers and its own train_step on one global batch, on CPU, in the
-    process settings k3-train makes (host allocator, deterministic algorithms)."""
+    process settings k3-train makes (host allocator, deterministic algorithms, native kernels)."""
     import torch
 
+    from model.ops import cpu
     from train.host_allocator import keep_freed_host_memory
     from train.loop import build_parallel_model, seed_everything, train_step
 
     keep_freed_host_memory()
+    cpu.install()
     seed_everything(cfg.seed, cfg.deterministic)
     device = torch.device("cpu")
     model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
@@ -303,8 +305,8 @@ _KERNELS = {"torch": (False, False), "native": (True, False), "native+fused": (T
 
 @contextlib.contextmanager
 def _kernels(name: str):
+    from model.ops.cpu import native_kernels
     from model.ops.fused import enable_fused_kernels
-    from model.ops.native import native_kernels
 
     use_native, fused = _KERNELS[name]
     enable_fused_kernels(fused)
@@ -316,7 +318,7 @@ def _kernels(name: str):
 
 
 def settings_side_by_side(threads: int, steps: int = 4, passes: int = 5) -> None:
-    """Torch ops, native and native + fused kernels (model/ops/native.py, fused_kernels), with
+    """Torch ops, native and native + fused kernels (model/ops/cpu, fused_kernels), with
     the demo's micro-batches, the whole global batch as one micro-batch and half of it, on the
     same `steps` prefetched global batches in one process: all settings run back to back on each
     batch, their order reversed every pass (the machine's drift between separate runs is larger

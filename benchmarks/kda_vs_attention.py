@@ -96,9 +96,9 @@ def kda_function(method: str):
     if method == "kda_chunk_exact":  # the form for unbounded gates (Kimi Linear's)
         return functools.partial(kda_chunk, backend="torch")
     if method == "kda_native":  # what the layer runs on a CPU in fp32
-        from model.ops import native
+        from model.ops import cpu
 
-        if not native.available():
+        if not cpu.install():
             raise SystemExit("kda_native: the native kernels are unavailable (see the warning)")
         return functools.partial(kda_chunk, lower_bound=K3_LOWER_BOUND)
     return kda_recurrent

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from .ops import native
+from .ops import dispatch
 from .ops.fused import fusable
 
 
@@ -28,22 +28,22 @@ class _SiTUGLU(torch.autograd.Function):
     projections produce it: its gradient is one tensor too (two would be concatenated by the
     halves' backward). Saves only gate_up (in its own dtype) and recomputes the tanh and
     sigmoid in backward: the plain form keeps five or six fp32 tensors of the activation's size
-    for autograd. fp32 on CPU runs the native kernels (model/ops/native.py), the rest the torch
-    forms below."""
+    for autograd. Forward and backward each run a registered kernel (model/ops/dispatch.py) where
+    one takes the inputs, else the torch forms below."""
 
     @staticmethod
     def forward(ctx, gate_up, beta_gate, beta_up):
         ctx.save_for_backward(gate_up)
         ctx.betas = beta_gate, beta_up
         gate, up = gate_up.chunk(2, dim=-1)
-        out = native.situ_glu_forward(gate, up, beta_gate, beta_up)
+        out = dispatch.call("situ_glu_forward", gate, up, beta_gate, beta_up)
         # Else the reference's ops in its order: unfused, the forward is bitwise the same.
         return out if out is not None else _situ_glu_forward(gate, up, beta_gate, beta_up)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors[0].chunk(2, dim=-1)
-        grad = native.situ_glu_backward(gate, up, grad_out, *ctx.betas)
+        grad = dispatch.call("situ_glu_backward", gate, up, grad_out, *ctx.betas)
         if grad is None:
             grad = torch.cat(_situ_glu_backward(gate, up, grad_out, *ctx.betas), dim=-1)
         return grad, None, None

@@ -13,7 +13,7 @@ from torch import nn
 
 from .dtypes import upcast
 from .norms import rms_norm_reference
-from .ops import native
+from .ops import dispatch
 from .ops.fused import fusable
 
 
@@ -31,13 +31,13 @@ def depth_mix_reference(sources: list[torch.Tensor], query: torch.Tensor,
 class _DepthMix(torch.autograd.Function):
     """Saves the sources themselves (the blocks stay alive for later mixes anyway), the weights
     and each source row's 1 / rms, and stacks the values again in backward: the plain form keeps
-    the stacked values and the normalised keys, two fp32 tensors [n, ..., d] per mix."""
+    the stacked values and the normalised keys, two fp32 tensors [n, ..., d] per mix. Forward
+    and backward each run a registered kernel (model/ops/dispatch.py; it may read the sources in
+    place) where one takes the inputs, else the torch forms below on the stacked values."""
 
     @staticmethod
     def forward(ctx, query, norm_weight, eps, *sources):
-        # fp32 on CPU: the native kernels (model/ops/native.py), which read the sources in
-        # place; the rest: the torch forms on the stacked values.
-        out = native.depth_mix_forward(sources, query, norm_weight, eps)
+        out = dispatch.call("depth_mix_forward", sources, query, norm_weight, eps)
         if out is None:
             values = torch.stack([upcast(s) for s in sources])
             out = _depth_mix_forward(values, query, norm_weight, eps)
@@ -48,7 +48,8 @@ class _DepthMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         query, norm_weight, weights, rstd, *sources = ctx.saved_tensors
-        grads = native.depth_mix_backward(sources, query, norm_weight, weights, rstd, grad)
+        grads = dispatch.call("depth_mix_backward", sources, query, norm_weight, weights, rstd,
+                              grad)
         if grads is None:
             values = torch.stack([upcast(s) for s in sources])
             grads = _depth_mix_backward(values, query, norm_weight, weights, rstd, grad)

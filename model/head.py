@@ -22,7 +22,7 @@ from torch import nn
 from .attnres import DepthMix
 from .config import K3Config
 from .norms import RMSNorm
-from .ops import native
+from .ops import dispatch
 from .ops.fast_exp import exp_
 
 IGNORE_INDEX = -100
@@ -58,7 +58,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             logits = _chunk_logits(hidden[rows], weight, logits_buffer)
             target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
-            if not native.log_sum_exp_rows(logits, out=lse[rows]):
+            if not dispatch.call("log_sum_exp_rows", logits, lse[rows]):
                 _log_sum_exp_(logits, out=lse[rows])
             loss += torch.where(valid[rows], lse[rows] - target_logit, 0.0).sum()
         ctx.chunk_tokens = chunk_tokens
@@ -91,8 +91,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """One [chunk, V] buffer that every chunk's logits are written into: a fresh buffer per
-    chunk is fresh memory on CPU (8 MiB for k3_tiny, page-faulted in each time; a step's writes
-    to it took 2-10x the matmul's own time), and logsumexp's temporaries were two more."""
+    chunk is fresh memory on CPU (8 MiB for k3_tiny, page-faulted in each time), and
+    logsumexp's temporaries were two more."""
     return hidden.new_empty(min(chunk_tokens, hidden.shape[0]), weight.shape[0], dtype=dtype)
 
 
@@ -107,9 +107,9 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor,
 
 def _softmax_grad_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
                    scale: torch.Tensor) -> None:
-    """logits [rows, V] <- scale (softmax - one_hot(targets)) in place: one native pass over
-    each row for fp32 on CPU, else torch's ops."""
-    if native.softmax_grad_rows_(logits, lse, targets, scale):
+    """logits [rows, V] <- scale (softmax - one_hot(targets)) in place: a registered kernel
+    (model/ops/dispatch.py) where one takes the inputs, else torch's ops."""
+    if dispatch.call("softmax_grad_rows_", logits, lse, targets, scale):
         return
     exp_(logits.sub_(lse[:, None]))  # softmax
     logits.scatter_add_(1, targets[:, None], torch.full_like(lse[:, None], -1.0))

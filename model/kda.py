@@ -12,7 +12,7 @@ from torch import nn
 from .config import K3Config
 from .dtypes import upcast
 from .norms import rms_norm
-from .ops import native
+from .ops import dispatch
 from .ops.kda import kda_chunk
 from .short_conv import ShortConv
 
@@ -44,36 +44,15 @@ def kda_inputs_reference(q: torch.Tensor, k: torch.Tensor, beta_logits: torch.Te
     return q, k, torch.sigmoid(upcast(beta_logits)), kda_gate(z, a_log, kind, lower_bound)
 
 
-class _NativeKDAInputs(torch.autograd.Function):
-    """kda_inputs_reference with K3's bounded gate as one native pass each way (fp32 CPU; about
-    a dozen torch ops and their backwards otherwise); saves only the inputs."""
-
-    @staticmethod
-    def forward(ctx, q, k, beta_logits, z, a_log, lower_bound):
-        ctx.save_for_backward(q, k, beta_logits, z, a_log)
-        ctx.lower_bound = lower_bound
-        return native.kda_inputs_forward(q, k, beta_logits, z, a_log, lower_bound,
-                                         NORMALIZE_EPS)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k, grad_beta, grad_g):
-        inputs = ctx.saved_tensors
-        grads = native.kda_inputs_backward(*inputs, grad_q, grad_k, grad_beta, grad_g,
-                                           ctx.lower_bound, NORMALIZE_EPS)
-        if grads is None:  # e.g. gradients of another dtype: autograd through the reference
-            with torch.enable_grad():
-                leaves = [x.detach().requires_grad_() for x in inputs]
-                outs = kda_inputs_reference(*leaves, "lower_bound", ctx.lower_bound)
-                grads = torch.autograd.grad(outs, leaves, (grad_q, grad_k, grad_beta, grad_g))
-        return *grads, None
-
-
 def kda_inputs(q: torch.Tensor, k: torch.Tensor, beta_logits: torch.Tensor, z: torch.Tensor,
                a_log: torch.Tensor, kind: str, lower_bound: float
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kda_inputs_reference; the native kernels where they apply (model/ops/native.py)."""
-    if kind == "lower_bound" and native.kda_inputs_usable(q, k, beta_logits, z, a_log):
-        return _NativeKDAInputs.apply(q, k, beta_logits, z, a_log, lower_bound)
+    """kda_inputs_reference; for K3's bounded gate a registered kernel (model/ops/dispatch.py)
+    where one takes the inputs."""
+    if kind == "lower_bound":
+        out = dispatch.call("kda_inputs", q, k, beta_logits, z, a_log, lower_bound, NORMALIZE_EPS)
+        if out is not None:
+            return out
     return kda_inputs_reference(q, k, beta_logits, z, a_log, kind, lower_bound)
 
 
@@ -122,7 +101,7 @@ class KimiDeltaAttention(nn.Module):
     # The chunk form, replaceable from outside: compile_sublayers (train/) keeps it out of the
     # torch.compile graphs. Its torch path loops in Python over blocks and chunks, which dynamo
     # would unroll (a graph that grows with the sequence length and compiles again for each new
-    # one; 35 s of the 107 s that compiling k3_tiny took); on CUDA it is fla's Triton kernel.
+    # one); on CUDA it is fla's Triton kernel.
     # Its element-wise kernels compile with fused_kernels=true instead (model/ops/fused.py).
     chunk_op = staticmethod(kda_chunk)
 

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from .dtypes import upcast
-from .ops import native
+from .ops import dispatch
 from .ops.fused import fusable
 
 
@@ -20,12 +20,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
 class _RMSNorm(torch.autograd.Function):
     """Saves x (in its own dtype), the weight and the per-row 1 / rms (1 / dim of x's bytes)
     and recomputes the normalised x in backward: the plain form keeps x upcast, x^2 and the
-    normalised x for autograd, fp32 copies of x's size for a bf16 x."""
+    normalised x for autograd, fp32 copies of x's size for a bf16 x. Forward and backward each
+    run a registered kernel (model/ops/dispatch.py) where one takes the inputs, else the torch
+    forms below."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        # fp32 on CPU: the native kernels (model/ops/native.py); the rest: the torch forms.
-        y, rstd = native.rms_norm_forward(x, weight, eps) or _rms_norm_forward(x, weight, eps)
+        y, rstd = (dispatch.call("rms_norm_forward", x, weight, eps)
+                   or _rms_norm_forward(x, weight, eps))
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -33,8 +35,9 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
         need_weight = weight is not None and ctx.needs_input_grad[1]
-        grad_x, grad_weight = (native.rms_norm_backward(x, weight, rstd, grad_out, need_weight)
-                               or _rms_norm_backward(x, weight, rstd, grad_out, need_weight))
+        grad_x, grad_weight = (
+            dispatch.call("rms_norm_backward", x, weight, rstd, grad_out, need_weight)
+            or _rms_norm_backward(x, weight, rstd, grad_out, need_weight))
         return grad_x, grad_weight, None
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import native
+from .ops import dispatch
 from .ops.fused import fusable
 
 
@@ -28,7 +28,7 @@ def _shifts(x: torch.Tensor, segments: torch.Tensor | None, kernel: int):
 
 def _taps(weight: torch.Tensor) -> torch.Tensor:
     """[C, K] -> [K, C], each tap's channel vector contiguous: a column of the [C, K] weight has
-    stride K, and a product with it runs TensorIterator's scalar loop (7x slower on CPU)."""
+    stride K, and a product with it runs TensorIterator's scalar loop on CPU."""
     return weight.t().contiguous()
 
 
@@ -65,17 +65,18 @@ def doc_causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor,
 
 class _DocCausalConv1dSiLU(torch.autograd.Function):
     """Saves x, the weight and the document ids and recomputes the convolution in backward.
-    fp32 on CPU runs the native kernels (model/ops/native.py), the rest the torch forms."""
+    Forward and backward each run a registered kernel (model/ops/dispatch.py) where one takes
+    the inputs, else the torch forms below."""
 
     @staticmethod
     def forward(ctx, x, weight, segments):
         ctx.save_for_backward(x, weight, segments)
-        out = native.conv_silu_forward(x, weight, segments)
+        out = dispatch.call("conv_silu_forward", x, weight, segments)
         return out if out is not None else _conv_silu_forward(x, weight, segments)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = native.conv_silu_backward(*ctx.saved_tensors, grad_out)
+        grads = dispatch.call("conv_silu_backward", *ctx.saved_tensors, grad_out)
         if grads is None:
             grads = _conv_silu_backward(*ctx.saved_tensors, grad_out)
         return *grads, None

@@ -22,13 +22,21 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernels():
+    """The native CPU kernels, installed once for every test as k3-train installs them."""
+    from model.ops import cpu
+
+    cpu.install()
+
+
 @pytest.fixture
 def torch_forms():
-    """The autograd functions' torch forms: fp32 on CPU would take the native kernels, which
+    """The ops' torch forms: fp32 on CPU would take the native kernels, which
     tests/unit/model/test_native_kernels.py holds to the references."""
-    from model.ops import native
+    from model.ops import dispatch
 
-    with native.native_kernels(False):
+    with dispatch.kernels_enabled(False):
         yield
 
 pytest_plugins = ["tests.helpers.slurm_fixtures"]

@@ -73,7 +73,7 @@ class LocalDispatcher:
         slot_of_entry[order] = group_starts[sorted_expert] + rank_in_group
 
         # Each token's row k times, in entry order: an expand, whose backward sums over k (an
-        # index by token would scatter-add in backward, 4x slower on CPU).
+        # index by token would scatter-add in backward, which is slower on CPU).
         entries = x.unsqueeze(1).expand(num_tokens, k, x.shape[-1]).reshape(num_entries, -1)
         buffer = x.new_zeros(num_slots, x.shape[-1]).index_copy(0, slot_of_entry, entries)
         return Dispatched(buffer, group_ends.to(torch.int32), slot_of_entry, topk_weight)

@@ -84,7 +84,7 @@ class GroupedExperts(nn.Module):
     # forward in torch.compiler.disable where this is set): grouped_mm's fake (tracing) kernel
     # takes bf16 only in torch 2.13, so fp32 runs could not be traced; each grouped GEMM is one
     # kernel anyway. Not a decorator here: that imports torch._dynamo (and sympy) with the model,
-    # ~1.5 s and tens of MiB in every process that never compiles.
+    # time and tens of MiB in every process that never compiles.
     compile_disabled = True
 
     def forward(self, buffer: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:

@@ -33,23 +33,18 @@ from torch.autograd.function import once_differentiable
 
 from model.batch import segment_ids
 from model.dtypes import upcast
-from model.ops import native
+from model.ops import dispatch
 from model.ops.fast_exp import exp_
 
 _BACKENDS = ("auto", "varlen", "sdpa", "segments", "blockwise", "reference")
 # Blockwise tile: at most BLOCK_Q query rows against BLOCK_K keys, a [B, H, bq, bk] fp32 score
 # tile at a time. Large enough that the Python loop costs little next to the tile's matmuls,
 # small enough that the tile's few temporaries stay in a core's cache: both halved while a tile
-# holds more than TILE_ELEMENTS scores (1 MiB), down to 64 queries. At the CPU demo's shape
-# (4 rows x 2 heads) 128 x 256 tiles run its MLA core 1.5x faster than 256 x 512 ones.
+# holds more than TILE_ELEMENTS scores (1 MiB), down to 64 queries (at the CPU demo's 4 rows x 2
+# heads that is 128 x 256 tiles).
 BLOCK_Q = 256
 BLOCK_K = 512
 TILE_ELEMENTS = 2 ** 18
-# Up to this many keys per row, fp32 CPU attention runs the native kernel (model/ops/native.py:
-# per query only the keys of its document, 2x faster on the demo's packed rows); longer rows take
-# the tiles, whose matmuls reuse the cache better (an MLA layer's forward and backward over one
-# document of 16K tokens: 1.7 s against 5.5 s; at 4K the two are even).
-NATIVE_MAX_KEYS = 4096
 
 
 def doc_causal_attention(
@@ -291,8 +286,7 @@ def _key_blocks(q_end: int, T: int, causal: bool, keys: int) -> list[tuple[int, 
 
 def _forbidden_bias(x: torch.Tensor) -> torch.Tensor:
     """In place: 0 where x == 0, -inf where x >= 1 (x >= 0). Float arithmetic (1 * 1e38 * -1e38
-    overflows to -inf) instead of a boolean compare and masked_fill, which are several times
-    slower on CPU."""
+    overflows to -inf) instead of a boolean compare and masked_fill, which cost more on CPU."""
     return x.mul_(1e38).mul_(-1e38)
 
 
@@ -322,16 +316,18 @@ class _BlockwiseAttention(torch.autograd.Function):
     """Online softmax over key tiles (flash attention); saves o and the per-row logsumexp only,
     and the backward recomputes each tile's probabilities from them (flash attention 2).
     Returns (o [B, H, T, Dv], max_logit [H]): the running row maxima are exact maxima of the
-    allowed logits, so QK-Clip's statistic comes for free."""
+    allowed logits, so QK-Clip's statistic comes for free. The forward runs a registered kernel
+    (model/ops/dispatch.py) where one takes the inputs, and then the backward asks for one too;
+    else the torch tiles below."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_segments, k_segments, scale, causal, q_offset):
         q, k, v = (x.contiguous() for x in (q, k, v))
         ctx.scale, ctx.causal, ctx.q_offset = scale, causal, q_offset
-        computed = None if k.shape[-2] > NATIVE_MAX_KEYS else native.attention_forward(
-            q, k, v, q_segments, k_segments, scale, causal, q_offset)
-        ctx.native = computed is not None
-        if ctx.native:  # fp32 on a CPU: only the keys each query attends
+        computed = dispatch.call("attention_forward", q, k, v, q_segments, k_segments, scale,
+                                 causal, q_offset)
+        ctx.kernel = computed is not None
+        if ctx.kernel:
             o, lse, row_max = computed
             return _BlockwiseAttention._results(ctx, q, k, v, q_segments, k_segments, o, lse,
                                                 row_max)
@@ -377,9 +373,10 @@ class _BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, grad_o, _grad_max_logit):
         q, k, v, q_segments, k_segments, o, lse = ctx.saved_tensors
         scale, causal, q_offset = ctx.scale, ctx.causal, ctx.q_offset
-        grads = ctx.native and native.attention_backward(
-            q, k, v, q_segments, k_segments, o, lse, grad_o, scale, causal, q_offset)
-        if grads:  # the forward's ids were sorted; None where the kernel does not apply
+        grads = ctx.kernel and dispatch.call(
+            "attention_backward", q, k, v, q_segments, k_segments, o, lse, grad_o, scale,
+            causal, q_offset)
+        if grads:  # None where no kernel takes the inputs
             return *grads, None, None, None, None, None
         T, Tk = q.shape[-2], k.shape[-2]
         q_scaled = q * scale

@@ -3,11 +3,11 @@
 In eager torch every element-wise op is one pass over memory: at k3_tiny's width the chains
 inside the model's autograd functions (SiTU-GLU, RMSNorm, the short convolution, the depth mix,
 the KDA intra-chunk work) are most of a CPU step, and their matmuls are not. Inductor turns each
-chain into one loop over the elements; on fp32 CPU tensors the native kernels
-(model/ops/native.py) take the first four before these are reached. The functions marked
-`fusable` are pure tensor code called under no_grad (from an autograd function's forward or
-backward), so inductor compiles inference graphs; the marked function itself is the eager form
-and what runs when fusion is off.
+chain into one loop over the elements; where a registered kernel (model/ops/dispatch.py, e.g.
+model/ops/cpu's on fp32 CPU tensors) takes an op's inputs, these are not reached. The functions
+marked `fusable` are pure tensor code called under no_grad (from an autograd function's forward
+or backward), so inductor compiles inference graphs; the marked function itself is the eager
+form and what runs when fusion is off.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def fusable(fn=None, *, dynamic: str | None = None):
     """`fn` compiled on first use when fused kernels are on (for the sizes seen first, and once
     more with dynamic sizes where one changes); `fn` itself otherwise, for tensor subclasses
     (DTensor), and inside a graph that torch.compile is already tracing (which then fuses it
-    with its surroundings). Each graph costs 1-2 s of compiling on CPU; `dynamic` says which
-    sizes one graph takes, for every tensor argument of two or more dims:
+    with its surroundings). Each graph is one more compile; `dynamic` says which sizes one
+    graph takes, for every tensor argument of two or more dims:
 
     - "rows", for row-wise kernels (norms, activations): the arguments are [..., width] over the
       same leading dims (tokens, patches, expert slots); the kernel takes them as [rows, width]

@@ -71,8 +71,8 @@ class VisionLayout:
 
 def _item_layout(grid: Grid, patch_offset: int, slot_offset: int, cfg: VisionConfig):
     """One item's index arrays, in numpy: a micro-batch holds tens of small images, and these
-    few dozen operations per item on arrays of tens of elements cost several times more as
-    torch operators (the demo's 49-image micro-batch: 10.4 ms against 2.2 ms)."""
+    few dozen operations per item on arrays of tens of elements would each pay torch's
+    per-operator dispatch."""
     t, h, w = grid
     span, m = cfg.time_table_size, cfg.merge_size
     hw = h * w

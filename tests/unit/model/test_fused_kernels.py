@@ -129,7 +129,7 @@ def test_bounded_kda_kernels_compile_and_match_the_recurrence(fused_kernels):
               chunk_size=32)
     assert_all_close(ref, got)
     for kernel in ("_bounded_forward", "_bounded_backward"):
-        assert f"model.ops.kda.{kernel}" in fused.compiled_kernels()
+        assert f"model.ops.kda.bounded.{kernel}" in fused.compiled_kernels()
     # Against the eager chunk form: fp32 round-off only.
     fused.enable_fused_kernels(False)
     eager = run(kda_chunk, inputs, cot, cu_seqlens=cu_seqlens, lower_bound=BOUND, rows=2,

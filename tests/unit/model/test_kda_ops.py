@@ -2,7 +2,7 @@
 outputs, final states and gradients of every input, for the gates, betas and document layouts
 the model produces. Each case runs every CPU form: the torch chunk form that is exact for any gate
 (lower_bound=None), its factorised sub-tiles for K3's gate bounded at -5, and the native
-recurrence that `auto` takes for fp32 on a CPU (model/ops/native.py), with that bound."""
+recurrence that `auto` takes for fp32 on a CPU (model/ops/cpu), with that bound."""
 
 import functools
 import importlib.util
@@ -13,15 +13,16 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import model.ops.kda as kda_ops
+import model.ops.kda.chunk as kda_chunk_form
 from model.batch import cu_seqlens_from_lengths
 from model.config import KDAConfig, k3_tiny, replace
 from model.kda import KimiDeltaAttention
-from model.ops import native
+from model.ops import cpu
 from model.ops.kda import kda_chunk, kda_recurrent
 from tests.helpers.static_shapes import assert_static, record
 from tests.helpers.tolerances import assert_close_rms
 
-TOL = 5e-3  # DESIGN.md section 5: fp32 outputs and states; gradients held to the same bound
+TOL = 5e-3  # fp32 outputs and states; gradients held to the same bound
 H, K, V = 2, 32, 32
 BOUND = -5.0  # K3's gate
 
@@ -30,15 +31,15 @@ BOUND = -5.0  # K3's gate
 def lower_bound(request):
     """The bound to pass kda_chunk, with the native kernels on for the native form only."""
     if request.param == "native":
-        assert native.available()
-    with native.native_kernels(request.param == "native"):
+        assert cpu.available()
+    with cpu.native_kernels(request.param == "native"):
         yield None if request.param == "exact" else BOUND
 
 
 @pytest.fixture(params=["torch", "native"])
 def cpu_form(request):
     """The torch chunk forms or the native recurrence, for the tests that pick their bound."""
-    with native.native_kernels(request.param == "native"):
+    with cpu.native_kernels(request.param == "native"):
         yield request.param
 
 
@@ -133,7 +134,7 @@ def test_unbounded_kimi_linear_gate_stays_finite_and_matches(cpu_form):
 def spy_on_forms(monkeypatch):
     """Records which torch form kda_chunk runs: "exact" (_intra_chunk) or "bounded"."""
     calls = []
-    exact, bounded = kda_ops._intra_chunk, kda_ops._BoundedIntraChunk
+    exact, bounded = kda_chunk_form._intra_chunk, kda_chunk_form._BoundedIntraChunk
 
     def exact_spy(*args):
         calls.append("exact")
@@ -145,8 +146,8 @@ def spy_on_forms(monkeypatch):
             calls.append("bounded")
             return bounded.apply(*args)
 
-    monkeypatch.setattr(kda_ops, "_intra_chunk", exact_spy)
-    monkeypatch.setattr(kda_ops, "_BoundedIntraChunk", BoundedSpy)
+    monkeypatch.setattr(kda_chunk_form, "_intra_chunk", exact_spy)
+    monkeypatch.setattr(kda_chunk_form, "_BoundedIntraChunk", BoundedSpy)
     return calls
 
 
@@ -309,7 +310,7 @@ def test_rows_that_start_documents_run_side_by_side_and_equal_the_packed_sequenc
     assert_all_close(ref, side_by_side)
     for name in packed:
         assert_close_rms(packed[name], side_by_side[name], 1e-6, name)
-    if native.available():  # the recurrence runs each document on its own, rows or not
+    if cpu.kernels_in_use():  # the recurrence runs each document on its own, rows or not
         return
     rec = record(lambda: chunked(**inputs, cu_seqlens=cu_seqlens, rows=len(rows)))
     batches = {shape[:3] for _, shapes in rec.trace for shape in shapes

@@ -1,7 +1,7 @@
-"""The native CPU kernels (model/ops/native.py, native_kernels.c) against the plain references:
-forward and backward, strided views, infinities and NaN, any thread count, and the torch forms
-wherever a kernel does not apply. The KDA recurrence's other cases (gates, betas, document
-layouts, autocast, activation checkpointing) are in tests/test_kda_ops.py."""
+"""The native CPU kernels (model/ops/cpu) against the plain references: forward and backward,
+strided views, infinities and NaN, any thread count, and the torch forms wherever a kernel does
+not apply. The KDA recurrence's other cases (gates, betas, document layouts, autocast,
+activation checkpointing) are in tests/unit/model/test_kda_ops.py."""
 
 import warnings
 
@@ -14,7 +14,9 @@ from model.batch import cu_seqlens_from_lengths
 from model.head import IGNORE_INDEX, chunked_linear_cross_entropy
 from model.kda import kda_inputs, kda_inputs_reference
 from model.norms import rms_norm
-from model.ops import native
+from model.ops import cpu, dispatch
+from model.ops.cpu import attention as cpu_attention
+from model.ops.cpu import bindings, build
 from model.ops.kda import kda_chunk, kda_recurrent
 from model.short_conv import doc_causal_conv1d_silu, doc_causal_conv1d_silu_reference
 from tests.helpers.tolerances import assert_close_rms, rel_rms
@@ -42,7 +44,7 @@ def _assert_like_torch(fn, inputs, what):
     torch.manual_seed(0)
     cotangent = torch.randn(fn(*inputs).shape)
     got = _with_grads(fn, inputs, cotangent)
-    with native.native_kernels(False):
+    with dispatch.kernels_enabled(False):
         expected = _with_grads(fn, inputs, cotangent)
     names = ["out", *(f"d input {i}" for i in range(len(inputs)))]
     for name, ref, x in zip(names, expected, got, strict=True):
@@ -54,11 +56,11 @@ def _assert_like_torch(fn, inputs, what):
 
 
 def test_the_kernels_build_on_this_machine():
-    assert native.available()
+    assert cpu.available()
 
 
 def _assert_situ_glu_like_torch(gate, up, what):
-    assert native.situ_glu_forward(gate, up, 4.0, 25.0) is not None, f"{what}: not native"
+    assert bindings.situ_glu_forward(gate, up, 4.0, 25.0) is not None, f"{what}: not native"
     _assert_like_torch(situ_glu, (gate, up), f"SiTU-GLU {what}")
 
 
@@ -67,7 +69,7 @@ def test_situ_glu_matches_the_reference_on_every_layout():
     gate, up = torch.randn(2, 4096, 64) * 4
     _assert_situ_glu_like_torch(gate, up, "contiguous [4096, 64]")
     fused = torch.randn(3, 100, 2 * 48) * 8  # the MLP's [gate | up] projection: strided halves
-    assert native.situ_glu_forward(*fused.chunk(2, dim=-1), 4.0, 25.0) is not None
+    assert bindings.situ_glu_forward(*fused.chunk(2, dim=-1), 4.0, 25.0) is not None
     _assert_like_torch(situ_glu_halves, (fused,), "SiTU-GLU of the halves of [3, 100, 96]")
     _assert_situ_glu_like_torch(*torch.randn(2, 37) * 3, "one dim")
     grid = _values()
@@ -82,7 +84,7 @@ def _documents(lengths: list[list[int]]) -> torch.Tensor:
 
 
 def _assert_conv_like_torch(x, weight, segments, what):
-    assert native.conv_silu_forward(x, weight, segments) is not None, f"{what}: not native"
+    assert bindings.conv_silu_forward(x, weight, segments) is not None, f"{what}: not native"
     _assert_like_torch(lambda x, w: doc_causal_conv1d_silu(x, w, segments), (x, weight),
                        f"short conv {what}")
 
@@ -102,7 +104,7 @@ def test_short_conv_matches_the_reference_at_document_boundaries():
 
 
 def _assert_norm_like_torch(x, weight, what):
-    assert native.rms_norm_forward(x, weight, 1e-5) is not None, f"{what}: not native"
+    assert bindings.rms_norm_forward(x, weight, 1e-5) is not None, f"{what}: not native"
     inputs = (x,) if weight is None else (x, weight)
     _assert_like_torch(lambda x, w=None: rms_norm(x, w, 1e-5), inputs, f"RMSNorm {what}")
 
@@ -146,9 +148,9 @@ def test_kda_inputs_match_the_reference():
     gradient sums over every token and channel)."""
     for what, inputs in {"the demo's layer": _kda_layer_inputs(),
                          "head size 24, 3 heads": _kda_layer_inputs(400, 3, 24)}.items():
-        assert native.kda_inputs_usable(*inputs), what
+        assert bindings.kda_inputs_usable(*inputs), what
         _assert_like_torch(_kda_inputs_flat, inputs, f"KDA inputs, {what}")
-    assert not native.kda_inputs_usable(*(x.detach()[:1, :0] for x in _kda_layer_inputs()[:4]),
+    assert not bindings.kda_inputs_usable(*(x.detach()[:1, :0] for x in _kda_layer_inputs()[:4]),
                                         torch.zeros(3)), "a_log of another head count"
 
 
@@ -159,14 +161,14 @@ def test_kda_inputs_take_the_reference_where_the_kernel_does_not_apply(monkeypat
              "q not contiguous": [q.transpose(0, 1), *inputs[1:]],
              "tensor subclass": [x.as_subclass(_Subclass) for x in inputs]}
     for what, tensors in cases.items():
-        assert not native.kda_inputs_usable(*tensors), what
+        assert not bindings.kda_inputs_usable(*tensors), what
     for kind in ("kimi_linear", "lower_bound"):
         tensors = cases["q not contiguous"] if kind == "lower_bound" else inputs
         for x, y in zip(kda_inputs(*tensors, kind, -5.0),
                         kda_inputs_reference(*tensors, kind, -5.0), strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True, msg=kind)
     # A backward the kernel refuses goes through the reference's autograd.
-    monkeypatch.setattr(native, "kda_inputs_backward", lambda *args: None)
+    monkeypatch.setattr(bindings, "kda_inputs_backward", lambda *args: None)
     _assert_like_torch(_kda_inputs_flat, inputs, "KDA inputs, the backward's fallback")
 
 
@@ -185,7 +187,7 @@ def test_chunked_loss_matches_its_torch_form():
     the loss and both gradients, chunks of 96 rows (the last one short), an ignored label on
     every 7th token; a NaN row gives NaN where torch's does."""
     hidden, weight, labels = _loss_inputs()
-    assert native.log_sum_exp_rows(torch.randn(4, 8), torch.empty(4))
+    assert bindings.log_sum_exp_rows(torch.randn(4, 8), torch.empty(4))
 
     def loss(h, w):
         return chunked_linear_cross_entropy(h, w, labels, 96)
@@ -201,7 +203,7 @@ def test_log_sum_exp_rows_is_torch_logsumexp():
     x = torch.randn(6, 3000) * torch.tensor([1.0, 50, 1, 1, 1e4, 1])[:, None]
     x[1, 3], x[2], x[3, 0] = float("inf"), -float("inf"), float("nan")
     out = torch.empty(6)
-    assert native.log_sum_exp_rows(x, out)
+    assert bindings.log_sum_exp_rows(x, out)
     expected = torch.logsumexp(x, -1)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=0, equal_nan=True)
 
@@ -209,12 +211,12 @@ def test_log_sum_exp_rows_is_torch_logsumexp():
 def test_the_softmax_gradient_refuses_labels_outside_the_vocabulary():
     logits, lse, scale = torch.randn(3, 10), torch.zeros(3), torch.ones(3)
     with pytest.raises(ValueError, match=r"1 labels outside the vocabulary \[0, 10\)"):
-        native.softmax_grad_rows_(logits, lse, torch.tensor([0, 10, 9]), scale)
+        bindings.softmax_grad_rows_(logits, lse, torch.tensor([0, 10, 9]), scale)
     for what, args in {"bf16 logits": (logits.bfloat16(), lse, scale),
                        "columns of wider logits": (torch.randn(3, 20)[:, :10], lse, scale)
                        }.items():
-        assert not native.log_sum_exp_rows(args[0], torch.empty(3)), what
-        assert not native.softmax_grad_rows_(args[0], args[1], torch.zeros(3, dtype=torch.int64),
+        assert not bindings.log_sum_exp_rows(args[0], torch.empty(3)), what
+        assert not bindings.softmax_grad_rows_(args[0], args[1], torch.zeros(3, dtype=torch.int64),
                                              args[2]), what
 
 
@@ -231,12 +233,12 @@ def test_depth_mix_is_as_exact_as_the_reference():
         def mix(*a):
             return depth_mix(list(a[:-2]), a[-2], a[-1], 1e-5)
 
-        assert native.depth_mix_forward(sources, query, weight, 1e-5) is not None
+        assert bindings.depth_mix_forward(sources, query, weight, 1e-5) is not None
         cotangent = torch.randn(4, 512, 64)
         truth = _with_grads(lambda *a: depth_mix_reference(list(a[:-2]), a[-2], a[-1], 1e-5),
                             [t.double() for t in inputs], cotangent.double())
         got = _with_grads(mix, inputs, cotangent)
-        with native.native_kernels(False):
+        with dispatch.kernels_enabled(False):
             plain = _with_grads(mix, inputs, cotangent)
         for i, (exact, ref, mine) in enumerate(zip(truth, plain, got, strict=True)):
             tol = max(1e-6, 2 * rel_rms(exact, ref))
@@ -248,7 +250,7 @@ def test_depth_mix_propagates_nan_like_the_torch_forms():
     sources[1][2, 5] = float("nan")
     query, weight = torch.randn(32), torch.rand(32) + 0.5
     got = depth_mix(sources, query, weight, 1e-5)
-    with native.native_kernels(False):
+    with dispatch.kernels_enabled(False):
         expected = depth_mix(sources, query, weight, 1e-5)
     assert torch.equal(got.isnan(), expected.isnan()) and got.isnan()[2].all()
     assert_close_rms(expected[~expected.isnan()], got[~got.isnan()], 1e-6, "finite rows")
@@ -289,7 +291,7 @@ def test_kda_recurrence_is_as_exact_as_the_reference(K, V):
     T, H = sum(lengths), 2
     cu_seqlens = cu_seqlens_from_lengths([lengths], T)
     inputs = _kda_inputs(T, H, K, V, len(lengths))
-    assert native.kda_usable(*inputs)
+    assert bindings.kda_usable(*inputs)
     cotangents = [torch.randn(1, T, H, V), torch.randn(len(lengths), H, K, V)]
     reference = _kda_reference(cu_seqlens)
     truth = _with_grads_of_two(reference, [t.double() for t in inputs],
@@ -343,18 +345,18 @@ def test_attention_leaves_unsorted_document_ids_and_long_rows_to_the_tiles(monke
     from model.ops import attention
 
     q, k, v, segments = _attention_inputs()
-    assert native.attention_forward(q, k, v, segments, segments, 0.2, True, 0) is not None
+    assert bindings.attention_forward(q, k, v, segments, segments, 0.2, True, 0) is not None
     unsorted = segments.flip(-1).contiguous()
-    assert native.attention_forward(q, k, v, unsorted, unsorted, 0.2, True, 0) is None
+    assert bindings.attention_forward(q, k, v, unsorted, unsorted, 0.2, True, 0) is None
     calls = []
-    monkeypatch.setattr(native, "attention_forward",
+    monkeypatch.setattr(bindings, "attention_forward",
                         lambda *a: calls.append(a[0].shape) or None)
     o_tiles, _ = attention._BlockwiseAttention.apply(q, k, v, unsorted, unsorted, 0.2, True, 0)
-    monkeypatch.setattr(attention, "NATIVE_MAX_KEYS", 299)
+    monkeypatch.setattr(cpu_attention, "NATIVE_MAX_KEYS", 299)
     attention._BlockwiseAttention.apply(q, k, v, segments, segments, 0.2, True, 0)
     assert len(calls) == 1  # the 300-key rows never reached the kernel
     monkeypatch.undo()
-    with native.native_kernels(False):
+    with dispatch.kernels_enabled(False):
         expected, _ = attention._BlockwiseAttention.apply(q, k, v, unsorted, unsorted, 0.2,
                                                           True, 0)
     assert torch.equal(o_tiles, expected)
@@ -410,7 +412,7 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
              "tensor subclass": (gate.as_subclass(_Subclass), up.as_subclass(_Subclass)),
              "shapes differ": (gate, up[:1])}
     for what, (g, u) in cases.items():
-        assert native.situ_glu_forward(g, u, 4.0, 25.0) is None, what
+        assert bindings.situ_glu_forward(g, u, 4.0, 25.0) is None, what
     g, u = cases["every other column"]  # the halves of every other column of [gate | up]
     assert torch.equal(situ_glu_halves(torch.cat([gate, up], -1)[:, ::2]),
                        situ_glu_reference(g, u))
@@ -420,19 +422,19 @@ def test_torch_forms_run_where_the_kernels_do_not_apply():
                   "int32 ids": (x, weight, segments.int()), "weight rows != channels":
                   (x, weight[:4], segments)}
     for what, (xx, w, seg) in conv_cases.items():
-        assert native.conv_silu_forward(xx, w, seg) is None, what
+        assert bindings.conv_silu_forward(xx, w, seg) is None, what
     for what, (xx, w) in {"bf16 x": (x.bfloat16(), torch.ones(8)),
                           "weight of another width": (x, torch.ones(4)),
                           "weight not contiguous": (x, torch.ones(8, 2)[:, 0]),
                           "every other column": (x[..., ::2], torch.ones(4))}.items():
-        assert native.rms_norm_forward(xx, w, 1e-5) is None, what
-    assert native.rms_norm_forward(x, torch.ones(8), 1e-5) is not None
+        assert bindings.rms_norm_forward(xx, w, 1e-5) is None, what
+    assert bindings.rms_norm_forward(x, torch.ones(8), 1e-5) is not None
     xx, w, seg = conv_cases["int32 ids"]
     assert torch.equal(doc_causal_conv1d_silu(xx, w, seg),
                        doc_causal_conv1d_silu_reference(xx, w, seg))
-    with native.native_kernels(False):
-        assert not native.available()
-        assert native.situ_glu_forward(gate, up, 4.0, 25.0) is None
+    with dispatch.kernels_enabled(False):
+        assert not cpu.kernels_in_use()
+        assert dispatch.call("situ_glu_forward", gate, up, 4.0, 25.0) is None
         gate_up = torch.cat([gate, up], dim=-1)
         assert torch.equal(situ_glu_halves(gate_up), situ_glu_reference(*gate_up.chunk(2, -1)))
 
@@ -444,7 +446,7 @@ def test_kda_takes_the_torch_chunk_form_where_the_recurrence_does_not_apply():
              "bf16 initial state": [*inputs[:5], inputs[5].bfloat16()],
              "tensor subclass": [t.as_subclass(_Subclass) for t in inputs]}
     for what, tensors in cases.items():
-        assert not native.kda_usable(*tensors), what
+        assert not bindings.kda_usable(*tensors), what
         kwargs = {"initial_state": tensors[5], "output_final_state": True, "lower_bound": -5.0}
         got = kda_chunk(*tensors[:5], **kwargs)
         expected = kda_chunk(*tensors[:5], **kwargs, backend="torch")
@@ -453,12 +455,12 @@ def test_kda_takes_the_torch_chunk_form_where_the_recurrence_does_not_apply():
 
 
 def _assert_torch_forms_after_one_warning(monkeypatch, match: str):
-    """With what monkeypatch broke, building the kernels warns once (`match`) and the torch
-    forms run; undone, the kernels build again."""
-    native._library.cache_clear()
+    """With what monkeypatch broke, installing the kernels warns once (`match`), registers
+    none and the torch forms run; undone, the kernels build and install again."""
+    bindings.library.cache_clear()
     try:
         with pytest.warns(UserWarning, match=match):
-            assert not native.available()
+            assert cpu.install() == ()
         gate_up = torch.randn(16, 2 * 8)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once per process, not per call
@@ -466,8 +468,8 @@ def _assert_torch_forms_after_one_warning(monkeypatch, match: str):
                                situ_glu_reference(*gate_up.chunk(2, dim=-1)))
     finally:
         monkeypatch.undo()
-        native._library.cache_clear()
-    assert native.available()
+        bindings.library.cache_clear()
+    assert cpu.install()
 
 
 def test_without_a_compiler_the_torch_forms_run_after_one_warning(monkeypatch):
@@ -492,28 +494,28 @@ def test_a_cache_directory_of_others_is_not_used(monkeypatch, tmp_path):
 
 def test_the_next_process_loads_the_built_library_without_compiling(monkeypatch, tmp_path):
     monkeypatch.setenv("K3_NATIVE_CACHE", str(tmp_path))
-    native._library.cache_clear()
+    bindings.library.cache_clear()
     try:
-        assert native.available()
+        assert cpu.available()
         built = list(tmp_path.iterdir())
         assert len(built) == 1 and built[0].suffix == ".so"  # no partial file left behind
 
         def no_compiler(*args, **kwargs):
             raise AssertionError("compiled again")
 
-        monkeypatch.setattr(native.subprocess, "run", no_compiler)
-        native._library.cache_clear()
-        assert native.available()
+        monkeypatch.setattr(build.subprocess, "run", no_compiler)
+        bindings.library.cache_clear()
+        assert cpu.available()
     finally:
         monkeypatch.undo()
-        native._library.cache_clear()
+        bindings.library.cache_clear()
 
 
 def test_a_library_that_does_not_load_leaves_the_torch_forms(monkeypatch):
     def refuse(path):
         raise OSError(f"{path}: undefined symbol: _ZGVeN16v_tanhf")
 
-    monkeypatch.setattr(native.ctypes, "CDLL", refuse)
+    monkeypatch.setattr(build.ctypes, "CDLL", refuse)
     _assert_torch_forms_after_one_warning(monkeypatch, "does not load.*undefined symbol")
 
 
@@ -533,5 +535,5 @@ def test_the_start_up_log_names_the_kernels_that_run():
         "torch ops")
     assert kernels_in_use(TrainConfig(fused_kernels=True), fp32, torch.device("cuda")) == (
         "fused (compiled)")
-    with native.native_kernels(False):
+    with dispatch.kernels_enabled(False):
         assert kernels_in_use(TrainConfig(), fp32, cpu) == "torch ops"

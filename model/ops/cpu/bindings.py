@@ -1,44 +1,21 @@
-"""C kernels for fp32 CPU training, on by default: the element-wise chains, the KDA layer's
-inputs and recurrence, attention over documents and the LM head's loss passes.
-
-Eager torch makes one pass over memory per operator, and at small widths its per-operator cost
-is most of a CPU step (benchmarks/RESULTS.md: the demo's step by model width). These are loops
-in `native_kernels.c`, plain C without torch headers: the system C compiler builds it the first
-time a process needs it (about 2 s, unlike inductor's compile of `fused_kernels`) into a cache
-directory that the next processes load from, and ctypes calls it with the GIL released. Where it
-cannot run (no compiler, other dtypes or devices, tensor subclasses such as DTensor, tracing by
-torch.compile) the callers use their torch forms; `K3_NATIVE_KERNELS=0` turns them off. The
-plain references stay the definition: tests/test_native_kernels.py holds these to them.
-"""
+"""ctypes signatures of native_kernels.c and the thin wrappers that hand it tensors: each takes
+the tensors its torch form takes and returns None (False for the in-place loss passes) where the
+kernel does not apply (no library, other dtypes or devices, tensor subclasses such as DTensor,
+tracing by torch.compile, layouts the loops do not take)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
 
-from .fused import plain_tensors
+from model.ops.fused import plain_tensors
 
-_SOURCE = Path(__file__).with_name("native_kernels.c")
-# -march=native: the library is built by and for this machine (its cache key holds the CPU
-# flags, and the default cache directory is local to the node).
-# -fno-math-errno lets the vectoriser call libmvec's expf/tanhf; no -ffast-math (NaN and inf
-# behave as in torch).
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
-_enabled = os.environ.get("K3_NATIVE_KERNELS", "1") != "0"
+from . import build
 
 # The C side's float* and int64_t* go over as the tensors' data_ptr() integers: a typed
-# pointer would need a ctypes.cast per argument (about 2 us; a step passes thousands).
+# pointer would need a ctypes.cast per argument, and a step passes thousands.
 _F32_P = _I64_P = ctypes.c_void_p
 _SIGNATURES = {
     "situ_glu_forward": [_F32_P] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2
@@ -80,99 +57,23 @@ _RESULTS = {"kda_forward": ctypes.c_int64, "attention_forward": ctypes.c_int64,
 _BLOCK_ROWS = 64
 
 
-@contextlib.contextmanager
-def native_kernels(enabled: bool):
-    """Native kernels on or off inside the block (tests of the other forms)."""
-    global _enabled
-    before, _enabled = _enabled, enabled
-    try:
-        yield
-    finally:
-        _enabled = before
-
-
-def available() -> bool:
-    """Whether this process has the native kernels (building them on first call)."""
-    return _enabled and _library() is not None
-
-
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC", "cc")
-    compiler_path = shutil.which(compiler)
-    if compiler_path is None:
-        return _unavailable(f"no C compiler {compiler!r} (set CC or install gcc)")
-    try:  # a cache directory that cannot be made, a compiler that cannot run
-        cache = _cache_dir()
-        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-        owner = cache.stat()
-        if owner.st_uid != os.getuid() or owner.st_mode & 0o022:
-            return _unavailable(f"{cache} is not this user's own directory (set "
-                                f"K3_NATIVE_CACHE to one)")
-        built = cache / f"k3_native_kernels-{_build_key(compiler_path)}.so"
-        if not built.exists():
-            error = _build(compiler, built)
-            if error is not None:
-                return _unavailable(error)
-        try:  # e.g. a C library without glibc's vector math functions
-            lib = ctypes.CDLL(str(built))
-        except OSError as err:
-            return _unavailable(f"the built library does not load: {err}")
-    except OSError as err:
-        return _unavailable(f"building them failed: {err}")
-    for name, argtypes in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = _RESULTS.get(name)
+def library() -> ctypes.CDLL | None:
+    """The loaded library with its signatures set (built on first call), or None after one
+    warning."""
+    lib = build.load()
+    if lib is not None:
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = _RESULTS.get(name)
     return lib
 
 
-def _cache_dir() -> Path:
-    """Where built libraries stay for the next process (a build takes about 2 s):
-    K3_NATIVE_CACHE, else this user's directory in the machine's temporary directory (local to
-    the node, as the -march=native build must be)."""
-    configured = os.environ.get("K3_NATIVE_CACHE")
-    return Path(configured or Path(tempfile.gettempdir()) / f"k3-native-{os.getuid()}")
-
-
-def _build_key(compiler_path: str) -> str:
-    """The source, flags, compiler and CPU a library was built from: a change builds anew."""
-    cpu = Path("/proc/cpuinfo")
-    flags = [line for line in cpu.read_text().splitlines()
-             if line.startswith("flags")][:1] if cpu.exists() else []
-    stat = os.stat(compiler_path)
-    digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(repr((_FLAGS, compiler_path, stat.st_size, stat.st_mtime_ns,
-                        platform.machine(), flags)).encode())
-    return digest.hexdigest()[:24]
-
-
-def _build(compiler: str, built: Path) -> str | None:
-    """Compiles into `built` (written whole under another name, then renamed: processes that
-    build at once each get a complete library); the error, or None."""
-    fd, partial = tempfile.mkstemp(dir=built.parent, suffix=".so.partial")
-    os.close(fd)
-    try:
-        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", partial, "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            return f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}"
-        os.replace(partial, built)
-        return None
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-
-
-def _unavailable(why: str) -> None:
-    warnings.warn(f"native CPU kernels unavailable, using torch ops: {why}", stacklevel=3)
-    return None
-
-
 def _usable(*tensors: torch.Tensor) -> bool:
-    return (_enabled and not torch.compiler.is_compiling() and plain_tensors(tensors)
+    return (not torch.compiler.is_compiling() and plain_tensors(tensors)
             and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() >= 1
                     for t in tensors)
-            and _library() is not None)
+            and library() is not None)
 
 
 def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -207,7 +108,7 @@ def situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, beta_gate: float,
         return None
     (g, g_stride), (u, u_stride) = g, u
     out = torch.empty(gate.shape, dtype=torch.float32)
-    _library().situ_glu_forward(_ptr(g), _ptr(u), _ptr(out), g.shape[0], g.shape[1], g_stride,
+    library().situ_glu_forward(_ptr(g), _ptr(u), _ptr(out), g.shape[0], g.shape[1], g_stride,
                                 u_stride, beta_gate, beta_up, torch.get_num_threads())
     return out
 
@@ -224,7 +125,7 @@ def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tens
     (g, g_stride), (u, u_stride), (d, d_stride) = g, u, _grad_rows(grad_out)
     rows, width = g.shape
     grad = torch.empty(*gate.shape[:-1], 2 * width, dtype=torch.float32)
-    _library().situ_glu_backward(_ptr(g), _ptr(u), _ptr(d), _ptr(grad), _ptr(grad[..., width:]),
+    library().situ_glu_backward(_ptr(g), _ptr(u), _ptr(d), _ptr(grad), _ptr(grad[..., width:]),
                                  rows, width, g_stride, u_stride, d_stride, 2 * width,
                                  beta_gate, beta_up, torch.get_num_threads())
     return grad
@@ -255,7 +156,7 @@ def conv_silu_forward(x: torch.Tensor, weight: torch.Tensor,
     taps, segments = operands
     out = torch.empty_like(x)
     B, T, C = x.shape
-    _library().conv_silu_forward(_ptr(x), _ptr(taps), _optional_ptr(segments), _ptr(out), B, T, C,
+    library().conv_silu_forward(_ptr(x), _ptr(taps), _optional_ptr(segments), _ptr(out), B, T, C,
                                  taps.shape[0], torch.get_num_threads())
     return out
 
@@ -274,7 +175,7 @@ def conv_silu_backward(x: torch.Tensor, weight: torch.Tensor, segments: torch.Te
     blocks = -(-B * T // _BLOCK_ROWS)
     grad_pre, grad_x = torch.empty_like(x), torch.empty_like(x)
     partials, grad_taps = torch.empty(blocks, K, C), torch.empty(K, C)
-    _library().conv_silu_backward(_ptr(x), _ptr(taps), _optional_ptr(segments), _ptr(grad_out),
+    library().conv_silu_backward(_ptr(x), _ptr(taps), _optional_ptr(segments), _ptr(grad_out),
                                   _ptr(grad_pre), _ptr(grad_x), _ptr(partials), _ptr(grad_taps),
                                   B, T, C, K, _BLOCK_ROWS, torch.get_num_threads())
     return grad_x, grad_taps.t().contiguous()
@@ -298,7 +199,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     rows, stride = rows
     y = torch.empty(x.shape, dtype=torch.float32)
     rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
-    _library().rms_norm_forward(_ptr(rows), _optional_ptr(weight), _ptr(y), _ptr(rstd),
+    library().rms_norm_forward(_ptr(rows), _optional_ptr(weight), _ptr(y), _ptr(rstd),
                                 rows.shape[0], rows.shape[1], stride, eps,
                                 torch.get_num_threads())
     return y, rstd
@@ -325,7 +226,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.
     if weight is not None and need_weight:
         grad_weight = torch.empty(width, dtype=torch.float32)
         partials = torch.empty(-(-n // _BLOCK_ROWS), width, dtype=torch.float32)
-    _library().rms_norm_backward(_ptr(rows), _optional_ptr(weight), _ptr(rstd), _ptr(grads),
+    library().rms_norm_backward(_ptr(rows), _optional_ptr(weight), _ptr(rstd), _ptr(grads),
                                  _ptr(grad_x), _optional_ptr(partials),
                                  _optional_ptr(grad_weight), n, width, x_stride, grad_stride,
                                  _BLOCK_ROWS, torch.get_num_threads())
@@ -365,7 +266,7 @@ def depth_mix_forward(sources: list[torch.Tensor], query: torch.Tensor,
     mixed = torch.empty(sources[0].shape, dtype=torch.float32)
     weights = torch.empty(n, *lead, dtype=torch.float32)
     rstd = torch.empty(n, *lead, 1, dtype=torch.float32)
-    _library().depth_mix_forward(pointers, strides, n, _ptr(query), _ptr(norm_weight),
+    library().depth_mix_forward(pointers, strides, n, _ptr(query), _ptr(norm_weight),
                                  _ptr(mixed), _ptr(weights), _ptr(rstd), rows, width, eps,
                                  torch.get_num_threads())
     return mixed, weights, rstd
@@ -390,7 +291,7 @@ def depth_mix_backward(sources: list[torch.Tensor], query: torch.Tensor,
     coef = torch.empty(n, rows, dtype=torch.float32)
     partials = torch.empty(-(-rows // _BLOCK_ROWS), width, dtype=torch.float32)
     du = torch.empty(width, dtype=torch.float32)
-    _library().depth_mix_backward(pointers, strides, n, _ptr(query), _ptr(norm_weight),
+    library().depth_mix_backward(pointers, strides, n, _ptr(query), _ptr(norm_weight),
                                   _ptr(weights), _ptr(rstd), _ptr(grads), grad_stride,
                                   _ptr(dvalues), _ptr(coef), _ptr(partials), _ptr(du), rows,
                                   width, _BLOCK_ROWS, torch.get_num_threads())
@@ -423,7 +324,7 @@ def kda_inputs_forward(q, k, beta_logits, z, a_log, lower_bound: float, eps: flo
         return None
     q_out, k_out, g = (torch.empty(q.shape, dtype=torch.float32) for _ in range(3))
     beta = torch.empty(beta_logits.shape, dtype=torch.float32)
-    _library().kda_inputs_forward(_ptr(q), _ptr(k), _ptr(beta_logits), _ptr(z), _ptr(a_log),
+    library().kda_inputs_forward(_ptr(q), _ptr(k), _ptr(beta_logits), _ptr(z), _ptr(a_log),
                                   _ptr(q_out), _ptr(k_out), _ptr(beta), _ptr(g), *shape,
                                   lower_bound, eps, torch.get_num_threads())
     return q_out, k_out, beta, g
@@ -443,7 +344,7 @@ def kda_inputs_backward(q, k, beta_logits, z, a_log, grad_q, grad_k, grad_beta, 
     dbeta_logits = torch.empty(beta_logits.shape, dtype=torch.float32)
     partials = torch.empty(-(-rows // _BLOCK_ROWS), H, dtype=torch.float32)
     da_log = torch.empty(H, dtype=torch.float32)
-    _library().kda_inputs_backward(
+    library().kda_inputs_backward(
         _ptr(q), _ptr(k), _ptr(beta_logits), _ptr(z), _ptr(a_log), *(_ptr(g) for g in grads),
         _ptr(dq), _ptr(dk), _ptr(dbeta_logits), _ptr(dz), _ptr(partials), _ptr(da_log), *shape,
         lower_bound, eps, _BLOCK_ROWS, torch.get_num_threads())
@@ -462,7 +363,7 @@ def log_sum_exp_rows(logits: torch.Tensor, out: torch.Tensor) -> bool:
     apply."""
     if not _loss_rows_usable(logits, out):
         return False
-    _library().log_sum_exp_rows(_ptr(logits), _ptr(out), *logits.shape, torch.get_num_threads())
+    library().log_sum_exp_rows(_ptr(logits), _ptr(out), *logits.shape, torch.get_num_threads())
     return True
 
 
@@ -475,7 +376,7 @@ def softmax_grad_rows_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.T
             or targets.shape != lse.shape or not targets.is_contiguous()
             or targets.device.type != "cpu"):
         return False
-    bad = _library().softmax_grad_rows(_ptr(logits), _ptr(lse), _optional_ptr(targets), _ptr(scale),
+    bad = library().softmax_grad_rows(_ptr(logits), _ptr(lse), _optional_ptr(targets), _ptr(scale),
                                        *logits.shape, torch.get_num_threads())
     if bad:
         raise ValueError(f"{bad} labels outside the vocabulary [0, {logits.shape[1]})")
@@ -500,7 +401,7 @@ def _kda_scratch(bounds: torch.Tensor, floats_per_thread: int):
 
 def kda_forward(q, k, v, g, beta, initial_state, bounds, scale: float, floor: float):
     """(o [.., H, V], final states [N, H, K, V], checkpoints) of the KDA recurrence over the
-    sequences bounds[n] .. bounds[n + 1] of the flattened tokens (model/ops/kda.py
+    sequences bounds[n] .. bounds[n + 1] of the flattened tokens (model/ops/kda/naive.py
     kda_recurrent with g clamped at `floor`, -inf for none), for contiguous fp32 CPU q, k, g
     [.., H, K], v [.., H, V], beta [.., H], initial_state [N, H, K, V] or None and int64
     bounds [N + 1]. Raises ValueError where bounds do not run from 0 to the token count
@@ -512,7 +413,7 @@ def kda_forward(q, k, v, g, beta, initial_state, bounds, scale: float, floor: fl
     # sum of ceil(len_n / segment) <= ceil(tokens / segment) + N - 1: a static count.
     checkpoints = torch.empty(max(-(-tokens // KDA_SEGMENT) + N - 1, 0), H, K, V)
     first, work, threads = _kda_scratch(bounds, K + 2 * V)
-    count = _library().kda_forward(
+    count = library().kda_forward(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _optional_ptr(initial_state),
         _optional_ptr(bounds), N, tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(o), _ptr(final),
         _ptr(checkpoints), _optional_ptr(first), _ptr(work), threads)
@@ -534,7 +435,7 @@ def kda_backward(q, k, v, g, beta, checkpoints, bounds, scale: float, floor: flo
     dv, dbeta = torch.empty(v.shape, dtype=torch.float32), torch.empty(beta.shape)
     grad_initial = torch.empty(N, H, K, V) if need_initial else None
     first, work, threads = _kda_scratch(bounds, (KDA_SEGMENT + 2) * K * V + KDA_SEGMENT * V + 4 * K)
-    _library().kda_backward(
+    library().kda_backward(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(checkpoints), _optional_ptr(bounds), N,
         tokens, H, K, V, scale, floor, KDA_SEGMENT, _ptr(grad_o), _optional_ptr(grad_final),
         _ptr(dq), _ptr(dk), _ptr(dv), _ptr(dg), _ptr(dbeta), _optional_ptr(grad_initial),
@@ -558,7 +459,7 @@ def attention_forward(q, k, v, q_segments, k_segments, scale: float, causal: boo
     lse, row_max = torch.empty(B, H, T), torch.empty(B, H, T)
     threads = torch.get_num_threads()
     work = torch.empty(threads, D + D * Tk + Tk)
-    status = _library().attention_forward(
+    status = library().attention_forward(
         _ptr(q), _ptr(k), _ptr(v), _optional_ptr(q_segments), _optional_ptr(k_segments), B, H,
         T, Tk, D, Dv, scale, causal, q_offset, _ptr(o), _ptr(lse), _ptr(row_max), _ptr(work),
         threads)
@@ -579,7 +480,7 @@ def attention_backward(q, k, v, q_segments, k_segments, o, lse, grad_o, scale: f
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     threads = torch.get_num_threads()
     work = torch.empty(threads, 2 * D + (D + Dv) * Tk + 2 * Tk)
-    _library().attention_backward(
+    library().attention_backward(
         _ptr(q), _ptr(k), _ptr(v), _optional_ptr(q_segments), _optional_ptr(k_segments),
         _ptr(o), _ptr(lse), _ptr(grad_o), B, H, T, Tk, D, Dv, scale, causal, q_offset,
         _ptr(dq), _ptr(dk), _ptr(dv), _ptr(work), threads)

@@ -1,6 +1,7 @@
-/* The model's fp32 CPU hot paths as C loops (model/ops/native.py builds this file with the
- * system C compiler and calls it through ctypes): the element-wise chains, the KDA layer's
- * inputs and recurrence, attention over documents and the LM head's loss passes.
+/* The model's fp32 CPU hot paths as C loops (model/ops/cpu/build.py builds this file with the
+ * system C compiler, model/ops/cpu/bindings.py calls it through ctypes): the element-wise
+ * chains, the KDA layer's inputs and recurrence, attention over documents and the LM head's
+ * loss passes.
  *
  * Element-wise operands are passed as rows of `width` contiguous floats, `*_stride` floats apart
  * (a view of a wider buffer, such as the gate half of a fused projection, needs no copy);
@@ -428,8 +429,8 @@ void kda_inputs_backward(const float *q, const float *k, const float *beta_logit
   for (int64_t h = 0; h < H; ++h) da_log[h] *= decay_scale[h];
 }
 
-/* Kimi Delta Attention token by token (model/ops/kda.py kda_recurrent, the reference). Per head,
- * with the state S [K, V] (row i: key channel i), G = max(g_t, floor) the log decay:
+/* Kimi Delta Attention token by token (model/ops/kda/naive.py kda_recurrent, the reference).
+ * Per head, with the state S [K, V] (row i: key channel i), G = max(g_t, floor) the log decay:
  *   S' = Diag(exp(G)) S;  r = v_t - S'^T k_t;  S = S' + k_t (beta_t r)^T;  o_t = S^T (scale q_t)
  * The state stays in cache for the whole sequence: each token is two passes over it. The
  * tokens are token-major ([tokens, H, K], [tokens, H, V], beta [tokens, H]); a sequence is the
@@ -501,7 +502,7 @@ static void zero_floats(float *dst, int64_t n) {
 }
 
 /* The head sizes of the K3 configs get loops with constant bounds (the vectoriser unrolls them
- * into whole vectors: about 2x faster at 32 than the same loops with run-time bounds). */
+ * into whole vectors, which loops with run-time bounds are not). */
 #define FOR_HEAD_SIZES(call)                  \
   if (K == 32 && V == 32)                     \
     call(32, 32);                             \
