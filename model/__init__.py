@@ -1,1 +1,1 @@
-"""The K3 architecture: pure PyTorch, single-device semantics (see README and SPEC)."""
+"""The K3 architecture: pure PyTorch, single-device semantics (docs/model.md)."""

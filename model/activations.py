@@ -1,4 +1,4 @@
-"""Gated activations of the expert and dense MLPs (SPEC 5, Eq. 12)."""
+"""Gated activations of the expert and dense MLPs (Eq. 12 of the K3 report)."""
 
 import torch
 import torch.nn.functional as F

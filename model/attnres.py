@@ -1,4 +1,4 @@
-"""Block Attention Residuals (SPEC 4): a learned softmax over earlier blocks replaces the plain
+"""Block Attention Residuals: a learned softmax over earlier blocks replaces the plain
 residual sum.
 
 Each mix has a pseudo-query w (a d -> 1 linear, no bias, zero-initialised) and its own RMSNorm.

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (SPEC 2; report Eq. 2, 5, 6)."""
+"""Kimi Delta Attention layer (Kimi Linear's Eq. 2, 5, 6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention without positional encoding (SPEC 3)."""
+"""Gated multi-head latent attention without positional encoding."""
 
 from __future__ import annotations
 

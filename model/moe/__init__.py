@@ -1,4 +1,4 @@
-"""Stable LatentMoE with Quantile Balancing (SPEC 5)."""
+"""Stable LatentMoE with Quantile Balancing."""
 
 from model.moe.balancing import QuantileBalancer, load_statistics, no_reduce, update_balancers
 from model.moe.dispatch import Dispatched, LocalDispatcher

@@ -1,4 +1,4 @@
-"""Quantile Balancing (SPEC 5, Eq. 14): the router bias that gives every expert k/n of the load.
+"""Quantile Balancing (the K3 report's Eq. 14): a router bias giving each expert k/n of the load.
 
 Token i picks expert j when s_ij + b_j beats its cutoff c_i (the (k+1)-th biased score), that
 is when b_j > r_ij = c_i - s_ij, the bias expert j would need to win token i. Expert j receives
@@ -192,8 +192,8 @@ class QuantileBalancer(nn.Module):
 
 @torch.no_grad()
 def update_balancers(balancers: list[QuantileBalancer], reduce_fn: Reduce) -> None:
-    """`update` of every layer's balancer with ONE reduction of all their statistics (SPEC 5:
-    one integer all-reduce per step across data and expert ranks, not one per layer). Layers
+    """`update` of every layer's balancer with ONE reduction of all their statistics:
+    one integer all-reduce per step across data and expert ranks, not one per layer. Layers
     with nothing accumulated take part with their (zero) statistics, so every rank reduces the
     same tensor size."""
     if not balancers:

@@ -2,7 +2,7 @@
 
 The MoE layer only calls `dispatch` and `combine`; expert parallelism replaces
 `LatentMoE.dispatcher` with an object that has the same two methods and moves the slots across
-ranks (MoonEP, SPEC 10). Contract:
+ranks (MoonEP). Contract:
 
 - `dispatch(x, topk_idx, topk_weight) -> Dispatched`: `buffer` [N, L] holds one row per slot,
   grouped by expert in the order of the expert GEMM's groups; `group_ends` [G] int32 is the end

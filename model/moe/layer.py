@@ -1,4 +1,4 @@
-"""Stable LatentMoE (SPEC 5, Eq. 11): routed experts in a narrower latent space plus shared
+"""Stable LatentMoE (Eq. 11 of the K3 report): routed experts in a narrower latent space plus shared
 experts at full width."""
 
 from __future__ import annotations

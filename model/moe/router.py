@@ -1,4 +1,4 @@
-"""Sigmoid router with a selection-only bias (SPEC 5, Eq. 13)."""
+"""Sigmoid router with a selection-only bias (Eq. 13 of the K3 report)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Softmax attention restricted to documents (SPEC section 3: the MLA core; SPEC 6: MoonViT's
+"""Softmax attention restricted to documents (the MLA core; MoonViT's
 per-image attention).
 
 Layout: q, k [B, T, H, Dqk], v [B, T, H, Dv] (Dv may differ from Dqk). `cu_seqlens` [N + 1]
 marks document boundaries over the flattened B*T tokens (model/batch.py: no document crosses a
 row); a token attends to the tokens of its own document only, and with `causal` to the earlier
-ones. The output is fp32 (SPEC 3 keeps the attention output in fp32). With `return_max_logit`
+ones. The output is fp32 (K3 keeps the attention output in fp32). With `return_max_logit`
 the per-head maximum pre-softmax logit over the allowed positions of the batch comes back too
 (detached, a device tensor: no sync), for QK-Clip.
 

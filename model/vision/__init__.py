@@ -1,4 +1,4 @@
-"""MoonViT-V2 vision encoder and projector (SPEC 6)."""
+"""MoonViT-V2 vision encoder and projector."""
 
 from model.vision.encoder import MoonViTEncoder, interpolate_pos_table
 from model.vision.layout import VisionLayout, build_layout, vision_token_count

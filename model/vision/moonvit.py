@@ -1,4 +1,4 @@
-"""MoonViT-V2 (SPEC 6): packed patches and grid_thw in, projected LM tokens out."""
+"""MoonViT-V2: packed patches and grid_thw in, projected LM tokens out."""
 
 from __future__ import annotations
 
