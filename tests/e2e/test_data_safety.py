@@ -1,4 +1,4 @@
-"""Dataset safety and bad input (issue 13, failures 1, 2, 3 and 6): a prepared dataset is used as
+"""Dataset safety and bad input: a prepared dataset is used as
 it is or refused with the fix, never re-curated over; a non-empty output is replaced only with
 data.overwrite=true and only once the new dataset is complete; a run where nothing survives
 still ends with summary, manifest and ledger, and k3-train refuses the empty dataset; missing

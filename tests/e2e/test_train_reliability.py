@@ -1,4 +1,4 @@
-"""k3-train as a user meets it when things go wrong (issue 13): a kill and a damaged checkpoint,
+"""k3-train as a user meets it when things go wrong: a kill and a damaged checkpoint,
 every configuration mistake of failure 7 stopped at start-up with exit code 2, and the held-out
 split the validation loss is measured on."""
 
@@ -160,16 +160,36 @@ def test_credential_names_are_told_apart_from_ordinary_environment_names():
         assert not SECRET_NAME.search(name), name
 
 
+# Published SHA-256 digests (FIPS 180-2 test vectors): a document is held out when the first 8
+# bytes of the digest of its text (then its media), read big-endian, fall below fraction * 2**64.
+SHA256_PREFIX = {"": 0xE3B0C44298FC1C14, "abc": 0xBA7816BF8F01CFEA}
+# is_held_out("caption", [bytes([i])], 0.5) for i = 0..15, from SHA-256 of b"caption" + bytes([i])
+# computed once with hashlib: the same on every run, machine and process.
+CAPTION_HELD_AT_HALF = [False] * 6 + [True, False, True, True, False, False] + [True] * 4
+CAPTION_06_00_PREFIX = 0x71B772114464BEE7  # SHA-256(b"caption\x06\x00")[:8], hashlib, once
+
+
 def test_held_out_documents_are_chosen_by_content_hash():
+    """The split is a pure function of the content: SHA-256 of the text (then the media bytes)
+    against the fraction, the answers pinned from the digest's definition rather than compared
+    with another call of the same function (a per-process salted hash would pass that); about
+    `fraction` of random documents, none at 0 and all at 1."""
+    for text, prefix in SHA256_PREFIX.items():
+        position = prefix / 2**64  # 0.8894... for "", 0.7283... for "abc"
+        assert is_held_out(text, [], position + 1e-9), text
+        assert not is_held_out(text, [], position - 1e-9), text
+    assert [is_held_out("caption", [bytes([i])], 0.5) for i in range(16)] == CAPTION_HELD_AT_HALF
+    # The media enter after the text, blob after blob: b"caption\x06\x00" whichever way split.
+    position = CAPTION_06_00_PREFIX / 2**64  # 0.4442...
+    for media in ([b"\x06\x00"], [b"\x06", b"\x00"]):
+        assert is_held_out("caption", media, position + 1e-9), media
+        assert not is_held_out("caption", media, position - 1e-9), media
     rng = np.random.default_rng(0)
     texts = [rng.bytes(32).hex() for _ in range(20000)]
     held = [is_held_out(t, [], 0.05) for t in texts]
     assert 0.045 < np.mean(held) < 0.055
-    assert held == [is_held_out(t, [], 0.05) for t in texts]  # the same answer every time
     assert not any(is_held_out(t, [], 0.0) for t in texts)
     assert all(is_held_out(t, [], 1.0) for t in texts)
-    # The pixels enter the hash: one caption over 16 different pictures splits both ways.
-    assert 0 < [is_held_out("caption", [bytes([i])], 0.5) for i in range(16)].count(True) < 16
 
 
 def test_the_sample_dataset_holds_out_a_disjoint_validation_split(sample_data_dir):

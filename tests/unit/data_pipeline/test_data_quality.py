@@ -1,4 +1,4 @@
-"""The quality filters on clean technical prose and on junk (issue 13, failure 5): with words
+"""The quality filters on clean technical prose and on junk: with words
 split as the Gopher rules define them (no punctuation words), at least 90% of a clean corpus of
 documentation-style prose is kept (tests/fixtures/clean_prose.jsonl, written for this test:
 guides, reference entries, option lists, troubleshooting notes), while junk, repetition and

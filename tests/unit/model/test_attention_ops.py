@@ -2,7 +2,7 @@
 reference (outputs, gradients, max logit), packed documents against each document alone, the
 varlen wrapper's plumbing, static shapes, and the blockwise backend's memory at 64K tokens.
 The blockwise backend runs in both its forms: the native kernel that fp32 CPU tensors take
-(model/ops/native.py) and the torch tiles (`blockwise_torch`)."""
+(model/ops/cpu) and the torch tiles (`blockwise_torch`)."""
 
 import json
 import subprocess
@@ -10,16 +10,23 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import model.ops.attention as attention
 from model.batch import cu_seqlens_from_lengths, segment_ids
-from model.ops import native
+from model.ops import cpu as native
 from model.ops.attention import doc_causal_attention, offset_doc_causal_attention, segment_attention
 from tests.helpers import REPO
 from tests.helpers.static_shapes import assert_static, record
 from tests.helpers.tolerances import assert_close_rms
 
-TOL = 5e-3
+# fp32 comparisons of one algorithm against another (blockwise tiles, native kernel, sdpa,
+# segments, varlen's plumbing) or against itself on another layout: the relative RMS error of
+# o, dq, dk and dv, measured over every fp32 case of this file at seeds 0-3, is at most 4.9e-7
+# (blockwise dq, sdpa dq of packed documents; varlen's stand-in 4.4e-7, one document per row
+# exactly 0); the bound is 10x that. Only summation order differs: a wrong mask, tile edge or
+# offset shows as 1e-1 to 1, a 12-bit log2(e) in the tiles' exp as 3e-5.
+TOL = 5e-6
 B, T, H, DQK, DV = 2, 100, 2, 48, 32  # Dv != Dqk, as in MLA (192 vs 128)
 SCALE = DQK ** -0.5
 # Docs of one row end at the row end (one of them empty); the second row is one doc. With the
@@ -140,9 +147,18 @@ def test_one_document_per_row_is_plain_causal_attention(backend):
 
 @pytest.mark.parametrize("backend", ["auto", "blockwise"])
 def test_output_is_fp32_for_bf16_inputs(backend):
+    """bf16 q, k, v (on CPU "auto" is the blockwise backend) give an fp32 output computed in
+    fp32: it equals the float64 reference on the same bf16 values. Those values are exact in
+    fp32 and float64, so only fp32 arithmetic differs: measured rel-RMS 1.6e-7 to 1.8e-7 (seeds
+    0-4, native kernel and torch tiles); an output computed or rounded in bf16 would be off by
+    1.5e-3 (the float64 reference rounded to bf16). The bound 2e-6 tells the two apart."""
     q, k, v = (x.detach().bfloat16() for x in make_qkv())
-    o = doc_causal_attention(q, k, v, cu_seqlens_from_lengths(ROWS, T), SCALE, backend=backend)
+    cu_seqlens = cu_seqlens_from_lengths(ROWS, T)
+    o = doc_causal_attention(q, k, v, cu_seqlens, SCALE, backend=backend)
     assert o.dtype == torch.float32 and o.shape == (B, T, H, DV)
+    expected = doc_causal_attention(*(x.double() for x in (q, k, v)), cu_seqlens, SCALE,
+                                    backend="reference")
+    assert_close_rms(expected, o, 2e-6, f"{backend} bf16 -> fp32")
 
 
 def test_static_shapes_for_two_document_layouts():
@@ -160,34 +176,75 @@ def test_static_shapes_for_two_document_layouts():
     assert_static(*recs)
 
 
+def _documents(layout) -> list[tuple[int, int]]:
+    """(start, length) of every non-empty document over the flattened B*T tokens, written out
+    from ROWS (one document per row without cu_seqlens), not from cu_seqlens."""
+    docs = []
+    for r, row in enumerate(LAYOUTS[layout] or [[T]] * B):
+        start = r * T
+        for length in row:
+            if length:
+                docs.append((start, length))
+            start += length
+        assert start == (r + 1) * T  # the documents fill the row
+    return docs
+
+
+# The cu_seqlens flash attention must get: int32 bounds over the flattened tokens, an empty
+# document a repeated bound.
+EXPECTED_CU = {"packed": [0, 10, 10, 63, 100, 200], "no_cu_seqlens": [0, 100, 200]}
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_varlen_wrapper_passes_flattened_documents(monkeypatch, layout, causal):
-    """The CUDA flash path cannot run here: a stand-in for varlen_attn that checks the call and
-    attends per cu_seqlens with the reference shows the wrapper's flattening, head-dim padding,
-    bounds and slicing are right."""
+    """The CUDA flash path cannot run here. A stand-in for varlen_attn checks everything it is
+    handed against what the test expects: the tokens flattened to [B*T, H, D] in order (each
+    document contiguous, at the offset ROWS puts it), the head dims zero-padded to the larger
+    one, cu_seqlens (int32, the bounds written out in EXPECTED_CU), max_q = max_k = T, the scale
+    and the window of `causal`. It then attends itself, plain sdpa over each document that ROWS
+    defines, so a wrapper that hands over wrong offsets, reordered tokens or badly padded heads,
+    or slices the output wrongly, gives another output or fails the stand-in's checks; output
+    and gradients must equal the reference backend's. Both head-dim orders (q/k or v padded)."""
     import torch.nn.attention.varlen as varlen
 
+    docs = _documents(layout)
+    window = (-1, 0) if causal else (-1, -1)
     calls = []
 
     def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale,
                          window_size):
-        calls.append((query.shape, cu_seq_q.dtype, max_q, max_k, window_size))
-        assert query.shape == key.shape == value.shape and cu_seq_q is cu_seq_k
-        o = segment_attention(query[None], key[None], value[None], cu_seq_q.long(), scale,
-                              causal=window_size == (-1, 0), backend="reference")
-        return o[0]
+        calls.append((tuple(query.shape), tuple(value.shape), max_q, max_k, window_size))
+        width = max(q.shape[-1], v.shape[-1])
+        for name, got, x in (("q", query, q), ("k", key, k), ("v", value, v)):
+            expected = F.pad(x.detach(), (0, width - x.shape[-1])).reshape(B * T, H, width)
+            assert got.shape == expected.shape, (name, got.shape)
+            mismatched = (got.detach() != expected).any(dim=(1, 2)).nonzero().flatten()
+            assert not len(mismatched), (f"{name}: tokens {mismatched[:8].tolist()} are not the "
+                                         f"flattened, zero-padded input's")
+        assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32
+        assert cu_seq_q.tolist() == cu_seq_k.tolist() == EXPECTED_CU[layout], cu_seq_q.tolist()
+        assert (max_q, max_k, scale, window_size) == (T, T, SCALE, window)
+        pieces = []
+        for start, length in docs:
+            qd, kd, vd = (x[start:start + length].transpose(0, 1) for x in (query, key, value))
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
+            pieces.append(o.transpose(0, 1))
+        return torch.cat(pieces)
 
     monkeypatch.setattr(varlen, "varlen_attn", fake_varlen_attn)
     monkeypatch.setattr(attention, "_varlen_usable", lambda q: True)
-    q, k, v = make_qkv()
-    do = torch.randn(B, T, H, DV)
-    ref, ref_max = forward_backward(q, k, v, cu(layout), "reference", do, causal)
-    got, got_max = forward_backward(q, k, v, cu(layout), "varlen", do, causal)
-    assert calls == [((B * T, H, DQK), torch.int32, T, T, (-1, 0) if causal else (-1, -1))]
-    for name in ref:
-        assert_close_rms(ref[name], got[name], TOL, name)
-    torch.testing.assert_close(got_max, ref_max, rtol=1e-6, atol=1e-6)
+    for dqk, dv in ((DQK, DV), (DV, DQK)):
+        q, k, v = make_qkv(dqk, dv)
+        do = torch.randn(B, T, H, dv)
+        ref, ref_max = forward_backward(q, k, v, cu(layout), "reference", do, causal)
+        got, got_max = forward_backward(q, k, v, cu(layout), "varlen", do, causal)
+        width = max(dqk, dv)
+        assert calls == [((B * T, H, width), (B * T, H, width), T, T, window)]
+        calls.clear()
+        for name in ref:
+            assert_close_rms(ref[name], got[name], TOL, f"{name} dqk={dqk} dv={dv}")
+        torch.testing.assert_close(got_max, ref_max, rtol=1e-6, atol=1e-6)
 
 
 def test_varlen_on_cpu_fp32_says_what_to_use():

@@ -1,6 +1,7 @@
 """Quantile Balancing (SPEC 5, Eq. 14): both estimators, sharding, padding, timing of updates."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -24,6 +25,49 @@ def skewed_scores(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
 def tokens_per_expert(routing, experts: int) -> torch.Tensor:
     idx = routing.topk_idx.reshape(-1)
     return torch.zeros(experts, dtype=torch.long).index_add_(0, idx, torch.ones_like(idx))
+
+
+class SimulatedAllReduce:
+    """A sum all-reduce over `world` simulated ranks, each running in its own thread: a rank's
+    call hands in its tensor and returns, once every rank has called, the sum of all `world`
+    inputs (integer-exact), as torch.distributed.all_reduce would. A rank that skips the call
+    leaves the others waiting (a BrokenBarrierError after `timeout` s); every rank's inputs are
+    recorded."""
+
+    def __init__(self, world: int, timeout: float = 20.0):
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+        self.current: list[torch.Tensor | None] = [None] * world
+        self.inputs: list[list[torch.Tensor]] = [[] for _ in range(world)]
+
+    def for_rank(self, rank: int):
+        def all_reduce(stats: torch.Tensor) -> torch.Tensor:
+            self.inputs[rank].append(stats.clone())
+            self.current[rank] = stats.clone()
+            self.barrier.wait()  # every rank's input is in
+            total = torch.stack(self.current).sum(dim=0)
+            self.barrier.wait()  # every rank has read them: the next call may overwrite
+            return total
+        return all_reduce
+
+    def run(self, per_rank) -> None:
+        """Runs per_rank(rank) for every rank at once, one thread each; re-raises a failure."""
+        errors: list[BaseException] = []
+
+        def body(rank):
+            try:
+                per_rank(rank)
+            except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+                errors.append(err)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
 
 def one_step(balancer: QuantileBalancer, *micro_batches, masks=None) -> None:
@@ -113,29 +157,33 @@ def test_histogram_within_bin_and_order_statistic_gap_of_exact(p):
 @PROPERTY
 @given(routing_problems(), st.data())
 def test_sharded_histograms_add_up_to_the_union(p, data):
-    """Two ranks' histograms summed (the all-reduce) equal the union's, integer-exactly, and
-    give the same bias as one process that saw every token."""
+    """Three ranks' histograms summed (the all-reduce) equal the union's, integer-exactly, and
+    every rank, reducing its own statistics through a simulated sum all-reduce over the three
+    (each rank in its own thread), gets the bias and load of one process that saw every token:
+    a balancer that skips the reduction, double-counts its own share or reduces something else
+    does not."""
     scores, bias = _problem_data(p)
-    split = data.draw(st.integers(0, p["tokens"]))
-    shards = (scores[:split], scores[split:])
+    cuts = sorted(data.draw(st.lists(st.integers(0, p["tokens"]), min_size=2, max_size=2)))
+    shards = (scores[:cuts[0]], scores[cuts[0]:cuts[1]], scores[cuts[1]:])
     ranks = [QuantileBalancer(p["experts"], p["k"]) for _ in shards]
     single = QuantileBalancer(p["experts"], p["k"])
     for balancer in (*ranks, single):
         balancer.bias.copy_(bias)
     for balancer, shard in zip(ranks, shards):
         balancer.accumulate(route(shard, balancer.bias, p["k"]))
-    for shard in shards:
-        single.accumulate(route(shard, single.bias, p["k"]))
-    summed = ranks[0].local_statistics() + ranks[1].local_statistics()
-    assert summed.dtype == torch.int64
-    assert torch.equal(summed, single.local_statistics())
-    for balancer in ranks:
-        balancer.reduce_fn = lambda stats: summed.clone()
-        balancer.update()
+    single.accumulate(route(scores, single.bias, p["k"]))  # the concatenated tokens
+    local = [balancer.local_statistics().clone() for balancer in ranks]
+    assert all(s.dtype == torch.int64 for s in local)
+    assert torch.equal(sum(local), single.local_statistics())
+    reduce = SimulatedAllReduce(len(ranks))
+    for rank, balancer in enumerate(ranks):
+        balancer.reduce_fn = reduce.for_rank(rank)
+    reduce.run(lambda rank: ranks[rank].update())
     single.update()
-    for balancer in ranks:
-        assert torch.equal(balancer.bias, single.bias)
-        assert torch.equal(balancer.last_load, single.last_load)
+    for rank, balancer in enumerate(ranks):
+        assert len(reduce.inputs[rank]) == 1 and torch.equal(reduce.inputs[rank][0], local[rank])
+        assert torch.equal(balancer.bias, single.bias), rank
+        assert torch.equal(balancer.last_load, single.last_load), rank
 
 
 @PROPERTY
@@ -230,33 +278,28 @@ def test_load_statistics():
 
 
 def test_update_balancers_reduces_every_layer_in_one_call():
-    """SPEC 5: one integer all-reduce per step for all MoE layers. Two "ranks" with three layers
-    each, the reduction a sum over both ranks' concatenated statistics: the same biases as each
-    layer reducing on its own, and reduce_fn called once per rank."""
-    experts, k = 8, 2
-    layers = [[QuantileBalancer(experts, k) for _ in range(3)] for _ in range(2)]
-    per_layer = [[QuantileBalancer(experts, k) for _ in range(3)] for _ in range(2)]
-    for rank in range(2):
-        for layer in range(3):
-            scores = skewed_scores(64, experts, seed=10 * rank + layer)
-            for balancer in (layers[rank][layer], per_layer[rank][layer]):
-                balancer.accumulate(route(scores, balancer.bias, k))
+    """SPEC 5: one integer all-reduce per step for all MoE layers. Two simulated ranks (one
+    thread each) with three layers each, reduced through a sum all-reduce over the two ranks'
+    real inputs: each rank calls it once, with its layers' statistics concatenated, and every
+    layer gets the bias and load of one process that routed both ranks' tokens of that layer."""
+    experts, k, world = 8, 2, 2
+    layers = [[QuantileBalancer(experts, k) for _ in range(3)] for _ in range(world)]
+    single = [QuantileBalancer(experts, k) for _ in range(3)]
+    for layer in range(3):
+        shards = [skewed_scores(64, experts, seed=10 * rank + layer) for rank in range(world)]
+        for rank in range(world):
+            layers[rank][layer].accumulate(route(shards[rank], layers[rank][layer].bias, k))
+        single[layer].accumulate(route(torch.cat(shards), single[layer].bias, k))
     flat = [torch.cat([b.local_statistics().reshape(-1) for b in rank]) for rank in layers]
-    calls = []
-
-    def all_reduce(stats):
-        calls.append(stats.dtype)
-        return flat[0] + flat[1]
-
-    for rank in range(2):
-        update_balancers(layers[rank], all_reduce)
+    reduce = SimulatedAllReduce(world)
+    reduce.run(lambda rank: update_balancers(layers[rank], reduce.for_rank(rank)))
+    for balancer in single:
+        balancer.update()
+    for rank in range(world):
+        assert len(reduce.inputs[rank]) == 1, "one reduction per step for all layers"
+        (sent,) = reduce.inputs[rank]
+        assert sent.dtype == torch.int64 and torch.equal(sent, flat[rank])
         for layer in range(3):
-            summed = sum(per_layer[r][layer].local_statistics() for r in range(2))
-            per_layer[rank][layer].reduce_fn = lambda stats, summed=summed: summed.clone()
-    for rank in range(2):
-        for layer in range(3):
-            per_layer[rank][layer].update()
-            assert torch.equal(layers[rank][layer].bias, per_layer[rank][layer].bias)
-            assert torch.equal(layers[rank][layer].last_load, per_layer[rank][layer].last_load)
-    assert calls == [torch.int64, torch.int64]
+            assert torch.equal(layers[rank][layer].bias, single[layer].bias), (rank, layer)
+            assert torch.equal(layers[rank][layer].last_load, single[layer].last_load)
     assert not torch.equal(layers[0][0].bias, torch.zeros(experts))

@@ -1,5 +1,5 @@
 """One padding id for the data pipeline and every model preset, so that the loader's padding never
-counts in Quantile Balancing or the MoE load statistics (issue 13, failure 9)."""
+counts in Quantile Balancing or the MoE load statistics."""
 
 from __future__ import annotations
 

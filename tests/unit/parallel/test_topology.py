@@ -282,12 +282,121 @@ def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():
         validate_train_config(cfg, 2)
 
 
-@pytest.mark.parametrize("overrides", [dict(expert=2, data_shard="full"),
-                                       dict(expert=2, tensor=2),
-                                       dict(expert=2, tensor=2, data_shard="full")])
-def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides):
+# Expert parallelism composed with FSDP2 and/or tensor parallelism on 4 ranks, written out by
+# hand from the rank layout (dense rank = tp_i + tp*dp_i, expert rank = ep_i + ep*edp_i): every
+# group as the list of groups that partition the world, and the mesh each plan builds on.
+EP_COMPOSITIONS = [
+    {"overrides": dict(expert=2, data_shard="full"),
+     "sizes": dict(dp=4, tp=1, ep=2, edp=2),
+     "groups": {"tp": [[0], [1], [2], [3]], "dp_cp": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]],
+                "edp": [[0, 2], [1, 3]], "dp_cp_tp": [[0, 1, 2, 3]]},
+     # FSDP2 over the 4 data-parallel ranks; the experts their own unit over the edp mesh
+     "data_mesh": (("dp_replicate", "dp_shard", "tp"), [[[0], [1], [2], [3]]]),
+     "dense_meshes": {(("dp_shard",), "all")}, "balancer": "dp_cp"},
+    {"overrides": dict(expert=2, tensor=2),
+     "sizes": dict(dp=2, tp=2, ep=2, edp=2),
+     "groups": {"tp": [[0, 1], [2, 3]], "dp_cp": [[0, 2], [1, 3]], "ep": [[0, 1], [2, 3]],
+                "edp": [[0, 2], [1, 3]], "dp_cp_tp": [[0, 1, 2, 3]]},
+     # tensor parallelism only (gradients reduced by hand): the experts stay plain tensors
+     "data_mesh": (("dp_cp", "tp"), [[0, 1], [2, 3]]),
+     "dense_meshes": {(("tp",), "tp")}, "balancer": "dp_cp_tp"},
+    {"overrides": dict(expert=2, tensor=2, data_shard="full"),
+     "sizes": dict(dp=2, tp=2, ep=2, edp=2),
+     "groups": {"tp": [[0, 1], [2, 3]], "dp_cp": [[0, 2], [1, 3]], "ep": [[0, 1], [2, 3]],
+                "edp": [[0, 2], [1, 3]], "dp_cp_tp": [[0, 1, 2, 3]]},
+     # FSDP2 x TP on the 2x2 mesh; parameters outside TP (the vision tower) over dp only
+     "data_mesh": (("dp_replicate", "dp_shard", "tp"), [[[0, 1], [2, 3]]]),
+     "dense_meshes": {(("dp_shard", "tp"), "all"), (("dp_shard",), "dp_cp")},
+     "balancer": "dp_cp_tp"},
+]
+
+
+def _group_of(groups: list[list[int]], rank: int) -> list[int]:
+    (group,) = [g for g in groups if rank in g]
+    return group
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overrides", [c["overrides"] for c in EP_COMPOSITIONS])
+def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides, monkeypatch):
+    """The layout validates, and on torch's fake process group (4 ranks, each in turn) the
+    composition really builds: the topology's groups and the data-parallel mesh are the ones
+    written out in EP_COMPOSITIONS, and k3-train's own steps (shard_experts, parallelize) on
+    k3_tiny give each rank its 4 home experts of 8 (its ep coordinate's; under FSDP2 sharded
+    over the expert-data mesh), the MoonEP dispatcher over the ep group, the dense parameters
+    as DTensors on the expected meshes, tensor-parallel shards where tp > 1, and Quantile
+    Balancing's reduction over the ranks that route different tokens. A topology that drops or
+    folds a dimension (ep, edp, tp, the FSDP dims) fails here."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from model.k3 import K3Model
+    from model.ops import fused
+    from parallel.apply import parallelize, shard_experts
     from train.config import TrainConfig, validate_train_config
 
+    (spec,) = [c for c in EP_COMPOSITIONS if c["overrides"] == overrides]
     cfg = TrainConfig(parallel=_parallel(**overrides))
     cfg.stage.micro_batch_size = 1
     assert validate_train_config(cfg, 4) is cfg
+    t = Topology.from_config(cfg.parallel, 4, cfg.model)
+    assert {d: t.size(d) for d in spec["sizes"]} == spec["sizes"]
+    assert (t.ep, t.etp, t.pp, t.cp, t.data_shard) == (2, 1, 1, 1, cfg.parallel.data_shard)
+    monkeypatch.setattr(fused, "_enabled", fused.fused_kernels_enabled())  # parallelize sets it
+    torch.manual_seed(0)
+    reference = K3Model(cfg.model)  # unsharded: where every expert's weights start
+    full = cfg.parallel.data_shard == "full"
+    per_rank = cfg.model.moe.num_experts // 2
+    for rank in range(4):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        try:
+            t.initialize("cpu")
+            groups = {d: _group_of(g, rank) for d, g in spec["groups"].items()}
+            for dim, expected in groups.items():
+                assert dist.get_process_group_ranks(t.group(dim)) == expected, (dim, rank)
+            dims, mesh_ranks = spec["data_mesh"]
+            assert t.mesh(*dims).mesh.tolist() == mesh_ranks, rank
+            assert t.mesh("edp").mesh.tolist() == groups["edp"], rank
+
+            torch.manual_seed(0)
+            model = K3Model(cfg.model)
+            shard_experts(model, t, cfg)
+            plan = parallelize(model, t, cfg)
+            assert plan.expert_parallel and plan.data_parallel == full
+            assert plan.balancer_group == spec["balancer"]
+            assert t.ranks(plan.balancer_group) == groups[spec["balancer"]]
+
+            ep_index, edp_index = groups["ep"].index(rank), groups["edp"].index(rank)
+            home = slice(ep_index * per_rank, (ep_index + 1) * per_rank)
+            for moe, ref in zip(model.moe_layers(), reference.moe_layers(), strict=True):
+                assert moe.dispatcher.experts_per_rank == per_rank
+                assert dist.get_process_group_ranks(moe.dispatcher.transport.group) == \
+                    groups["ep"]
+                for name in ("w1", "w2"):
+                    weight, start = getattr(moe.experts, name), getattr(ref.experts, name)[home]
+                    assert weight.shape == start.shape, (name, rank)
+                    if full:  # FSDP2 shards the home experts over the expert-data ranks
+                        assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
+                        assert weight.device_mesh.mesh.tolist() == groups["edp"]
+                        shard = start.chunk(len(groups["edp"]))[edp_index]
+                        assert torch.equal(weight.to_local(), shard), (name, rank)
+                    else:
+                        assert not isinstance(weight, DTensor)
+                        assert torch.equal(weight.detach(), start), (name, rank)
+
+            named = {"all": [0, 1, 2, 3], **groups}
+            expected_meshes = {(names, tuple(named[which])) for names, which in
+                               spec["dense_meshes"]}
+            meshes, tp_sharded = set(), 0
+            for p in model.parameters():
+                if getattr(p, "expert_parallel", False) or not isinstance(p, DTensor):
+                    continue
+                mesh = p.device_mesh
+                meshes.add((mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist())))
+                if "tp" in mesh.mesh_dim_names:
+                    placement = p.placements[mesh.mesh_dim_names.index("tp")]
+                    tp_sharded += isinstance(placement, Shard)
+            assert meshes == expected_meshes, rank
+            assert (tp_sharded > 0) == (t.tp > 1), tp_sharded
+        finally:
+            t.destroy()
+            dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """Checkpoint integrity and safety, in one process on a small module: every damaged file is named,
 resume falls back to the newest checkpoint that verifies, and nothing in a checkpoint directory
-can run code when it is read back (issue 13, failures 4 and 11)."""
+can run code when it is read back."""
 
 from __future__ import annotations
 
