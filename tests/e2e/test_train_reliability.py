@@ -1,5 +1,5 @@
 """k3-train as a user meets it when things go wrong: a kill and a damaged checkpoint,
-every configuration mistake of failure 7 stopped at start-up with exit code 2, and the held-out
+every configuration mistake stopped at start-up with exit code 2, and the held-out
 split the validation loss is measured on."""
 
 from __future__ import annotations
