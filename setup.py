@@ -9,7 +9,7 @@ setup(
                                     "configs*"]),
     include_package_data=True,
     package_data={"configs": ["**/*.yaml"], "data_pipeline": ["sample/**/*"],
-                  "model": ["ops/*.c"]},
+                  "model": ["ops/cpu/*.c"]},
     install_requires=[
         "torch>=2.6",
         "numpy",
@@ -32,13 +32,13 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6",
-                "torchao>=0.10", "gfloat>=0.4"],
+                "torchao>=0.10", "gfloat>=0.4", "import-linter>=2.0"],
         "gpu": ["transformer-engine[pytorch]>=2.0", "fla-core>=0.4"],
     },
     entry_points={
         "console_scripts": [
             "k3-train=train.cli:train_main",
-            "k3-plan=train.plan:main",
+            "k3-plan=train.sizing:main",
             "k3-data=data_pipeline.cli:main",
             "k3-submit=slurm.submit:main",
             "k3-export=train.export:main",

@@ -17,7 +17,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import ConfigError
+from model.errors import ConfigError
 
 from .config import DataConfig, StageConfig
 from .pipeline import STAGES, ensure_prepared, run_pipeline

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.config import ConfigError, VisionConfig
+from model.config import VisionConfig
+from model.errors import ConfigError
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 BUNDLED = "bundled://"

@@ -35,8 +35,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from model.batch import K3Batch, VisionInput
-from model.config import ConfigError, VisionConfig
-from model.vision import patchify_video, vision_token_count
+from model.config import VisionConfig
+from model.errors import ConfigError
+from model.vision.layout import vision_token_count
+from model.vision.patches import patchify_video
 
 from .config import StageConfig
 from .packing import row_offsets

@@ -1,4 +1,4 @@
-"""Synthetic long documents (SPEC 9): facts spread over the whole context and, at the end, a
+"""Synthetic long documents: facts spread over the whole context and, at the end, a
 question that only a chain of several of them answers.
 
 A chain of `hops` facts: "Mirel is inside Tosak." ... "Varun is kept in room 417." The question

@@ -32,7 +32,7 @@ from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from tqdm import tqdm
 
-from model.config import ConfigError
+from model.errors import ConfigError
 
 from .config import DataConfig, as_data_config
 from .dedup import DropDuplicates

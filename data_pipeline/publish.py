@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from model.config import ConfigError
+from model.errors import ConfigError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from model.config import ConfigError
+from model.errors import ConfigError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".gif", ".webp", ".apng")

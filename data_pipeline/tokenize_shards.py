@@ -20,7 +20,7 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.batching import batched
 
-from model.vision import vision_token_count
+from model.vision.layout import vision_token_count
 
 from .config import DataConfig, TokenizerConfig, resolve_path
 from .dedup import load_duplicates

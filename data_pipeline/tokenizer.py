@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.config import ConfigError
+from model.errors import ConfigError
 
 SPECIAL_TOKENS = ("<pad>", "<eod>", "<bos>", "<image>", "<video>")
 PAD_ID, EOD_ID, BOS_ID, IMAGE_ID, VIDEO_ID = range(len(SPECIAL_TOKENS))

@@ -9,14 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .errors import ConfigError  # re-exported: callers import it from model.config too
+
 # The special-token ids every preset shares with the data pipeline, whose tokenizer fixes them
 # (data_pipeline/tokenizer.py: <pad>=0, <image>=3); k3-train checks them against the manifest.
 PAD_TOKEN_ID = 0
 IMAGE_TOKEN_ID = 3
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message names the field, the value and what is valid."""
 
 
 def _fail(path: str, value, valid: str) -> None:
@@ -35,7 +33,7 @@ def _choice(path: str, value, choices) -> None:
 
 @dataclass
 class KDAConfig:
-    """Kimi Delta Attention (SPEC 2)."""
+    """Kimi Delta Attention."""
 
     num_heads: int = 96
     head_dim: int = 128  # d_k = d_v
@@ -44,7 +42,9 @@ class KDAConfig:
     gate_lower_bound: float = -5.0
     decay_rank: int = 128  # low-rank width of the decay logit projection
     chunk_size: int = 64
-    backend: str = "auto"  # fla on CUDA when installed, native C loops for fp32 on a CPU
+    # auto: fla on CUDA when installed, a registered CPU kernel (model/ops/cpu), else the torch
+    # chunk form
+    backend: str = "auto"
 
     def validate(self, path: str = "model.kda") -> None:
         for name in ("num_heads", "head_dim", "conv_kernel", "decay_rank", "chunk_size"):
@@ -59,7 +59,7 @@ class KDAConfig:
 
 @dataclass
 class MLAConfig:
-    """Gated multi-head latent attention without positional encoding (SPEC 3)."""
+    """Gated multi-head latent attention without positional encoding."""
 
     num_heads: int = 96
     q_lora_rank: int = 1536
@@ -82,7 +82,7 @@ class MLAConfig:
 
 @dataclass
 class MoEConfig:
-    """Stable LatentMoE with Quantile Balancing (SPEC 5)."""
+    """Stable LatentMoE with Quantile Balancing."""
 
     num_experts: int = 896
     top_k: int = 16
@@ -112,7 +112,7 @@ class MoEConfig:
 
 @dataclass
 class VisionConfig:
-    """MoonViT-V2 encoder and its projector into the language model (SPEC 6)."""
+    """MoonViT-V2 encoder and its projector into the language model."""
 
     hidden_size: int = 1024
     num_layers: int = 27
@@ -204,7 +204,7 @@ class K3Config:
 
 
 def k3_full() -> K3Config:
-    """The published shape (SPEC 1.1): about 2.78T parameters, 104.2B active per token."""
+    """The published shape: about 2.78T parameters, 104.2B active per token."""
     return K3Config().validate()
 
 

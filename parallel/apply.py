@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,14 +31,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from model.flops import head_forward_flops_per_token, layer_forward_flops_per_token
 from model.k3 import K3Model
 from model.mla import GatedMLA
 from model.ops.fused import enable_fused_kernels
-from train.flops import head_forward_flops_per_token, layer_forward_flops_per_token
-from train.optim.muon import LocalExchange, MatrixExchange
-from train.optim.qk_clip import qk_clip_factors
-from train.step_stats import merge_stage_figures
 
+from .activation_checkpointing import apply_activation_checkpointing, compile_sublayers
 from .context_parallel import ContextParallel, apply_context_parallel, shard_batch
 from .data_parallel import (
     ZeroOneOwnership,
@@ -53,7 +52,7 @@ from .expert_parallel import (
     mark_expert_parameters,
 )
 from .grad_norm import scale_grads_, squared_grad_norm
-from .muon_exchange import DTensorExchange
+from .muon_exchange import DTensorExchange, LocalExchange, MatrixExchange
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
 
 if TYPE_CHECKING:
@@ -117,15 +116,16 @@ class ParallelPlan:
         """Over the pipeline ranks (each holds other layers; one process: nothing to add)."""
         return _all_reduce(t, dist.ReduceOp.SUM, self._group("pp"))
 
-    def stage_figures(self, row: dict) -> dict:
+    def stage_figures(self, row: dict, merge: Callable[[list[dict]], dict]) -> dict:
         """The logged MoE / QK-Clip figures of this rank's layers -> the whole model's (every
-        pipeline rank calls it at the same steps: it gathers over the pipeline group)."""
+        pipeline rank calls it at the same steps: it gathers over the pipeline group);
+        `merge(rows)` combines the stages' rows (the training loop's rule)."""
         group = self._group("pp")
         if group is None or dist.get_world_size(group) == 1:
             return row
         rows: list[dict] = [{}] * dist.get_world_size(group)
         dist.all_gather_object(rows, row, group=group)
-        return merge_stage_figures(rows)
+        return merge(rows)
 
     def eval_loss_sums(self, model: K3Model, micro_batches: list) -> torch.Tensor:
         """Forward only: [summed token loss, loss tokens] (float64) of this rank's micro-batches
@@ -189,12 +189,15 @@ class ParallelPlan:
             self.zero.broadcast_updates()
 
     @torch.no_grad()
-    def qk_clip_(self, mla: GatedMLA, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_clip_(self, mla: GatedMLA, tau: float, factors: Callable
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-Clip of one MLA layer from its recorded max logits (this rank's heads): the max
         over dp x cp, then every weight row scaled by its head's factor, whatever the layout of
-        q_b/kv_b. Returns (max logit, clipped heads) of this rank's heads."""
+        q_b/kv_b. `factors(max_logits, tau, nope, rope, v_dim) -> (q_b rows, kv_b rows, clipped
+        heads)` is the clipping rule (train.optim.qk_clip.qk_clip_factors). Returns (max logit,
+        clipped heads) of this rank's heads."""
         logits = _all_reduce(mla.max_logit, dist.ReduceOp.MAX, self._group("dp_cp"))
-        q_rows, kv_rows, clipped = qk_clip_factors(logits, tau, mla.nope, mla.rope, mla.v_dim)
+        q_rows, kv_rows, clipped = factors(logits, tau, mla.nope, mla.rope, mla.v_dim)
         _scale_rows_(mla.q_b.weight, q_rows)
         _scale_rows_(mla.kv_b.weight, kv_rows)
         return logits.max(), clipped
@@ -237,8 +240,8 @@ def shard_stages(model: K3Model, topology, cfg) -> None:
     unchanged); before precision, the other plans and the optimizer. No-op otherwise."""
     if topology is None or topology.pp == 1:
         return
-    # Here, not at the top: torch's pipelining imports torch._dynamo (and sympy), ~1.5 s and
-    # tens of MiB in every process, most of which never pipeline.
+    # Here, not at the top: torch's pipelining imports torch._dynamo (and sympy), a slow and
+    # large import for every process, most of which never pipeline.
     from .pipeline import prune_to_stages, rank_stages
 
     prune_to_stages(model, *rank_stages(*_stage_costs(cfg), topology.pp, topology.rank_in("pp"),
@@ -273,8 +276,6 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
     """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
     one process) to `model` in place, with activation checkpointing and compile from `cfg`
     (a TrainConfig)."""
-    from train.activation_checkpointing import apply_activation_checkpointing, compile_sublayers
-
     if topology is not None and topology.etp > 1:
         raise NotImplementedError("expert-tensor parallelism plugs in here; it is a separate "
                                   "plan not applied to k3-train yet")

@@ -9,7 +9,7 @@ join the pieces again:
 - ShortConv.halo: the previous fragment's last kernel-1 inputs are prepended (an autograd
   all-gather of every rank's tail), masked by document ids, so the conv restarts only at real
   document starts.
-- KimiDeltaAttention.state_exchange (KCP, SPEC 2, report Eq. 17): the fragment's state is
+- KimiDeltaAttention.state_exchange (KCP): the fragment's state is
   affine in the state entering it, S_end = M S_in + S_ext. One pass of kda_chunk over the
   fragment with the values widened to [v | 0] and the first document started from [0 | I]
   gives both: its final state is [S_ext | M] (the value columns of the recurrence are

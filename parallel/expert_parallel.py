@@ -1,4 +1,4 @@
-"""Expert parallelism applied to a built K3Model from outside (DESIGN 2, SPEC 10).
+"""Expert parallelism applied to a built K3Model from outside.
 
 Each rank of the expert-parallel group keeps only its home experts' weights (experts
 e // (E / R) == its EP rank), so their optimizer state and updates stay home, and every MoE

@@ -1,4 +1,9 @@
-"""Distributed Per-Head Muon: the MatrixExchange for DTensor parameters (FSDP2, HSDP, TP).
+"""Per-Head Muon's exchange: the seam between the optimizer (train.optim.muon) and the layout.
+
+The optimizer hands all of a step's updates (MatrixJob) to a MatrixExchange together with its
+orthogonalisation (an Orthogonalize callable: Newton-Schulz on a block of whole matrices); the
+exchange returns each job's orthogonalised update, this rank's part. LocalExchange: every
+parameter is whole on this rank. DTensorExchange: DTensor parameters (FSDP2, HSDP, TP).
 
 Newton-Schulz needs whole matrices. For every parameter of a step (parameters of one shape,
 dtype and layout stacked, so that each such group costs one collective per step and direction):
@@ -18,13 +23,48 @@ they already hold whole matrices and the ranks there do the same work.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from parallel.strides import contiguous_strides
-from train.optim.muon import MatrixJob, Orthogonalize
+
+
+@dataclass(eq=False)
+class MatrixJob:
+    """One parameter's update for the exchange. `update` is this rank's part, shaped like
+    `param`; `param.shape` is the logical shape (DTensors report the full one)."""
+
+    update: torch.Tensor
+    param: torch.Tensor
+    num_heads: int
+    head_axis: int
+    ns_steps: int = 5
+    ns_dtype: torch.dtype | None = None
+
+
+# Orthogonalises a block of whole matrices of a job: the full logical update, or a slice of
+# whole heads along the job's head axis.
+Orthogonalize = Callable[[torch.Tensor, MatrixJob], torch.Tensor]
+
+
+class MatrixExchange(Protocol):
+    """Seam for sharded parameters: whole matrices orthogonalised, local parts returned."""
+
+    def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
+        """Each job's orthogonalised update, this rank's part shaped like its `update`."""
+        ...
+
+
+class LocalExchange:
+    """Every parameter is whole on this rank."""
+
+    def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
+        return [ortho(job.update, job) for job in jobs]
 
 
 class DTensorExchange:

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the K3 stack split into stages, run by torch.distributed.pipelining.
 
 Stages hold contiguous layers, balanced by cost (the caller passes each layer's FLOPs, e.g.
-from train/flops.py: MoE vs dense MLP, KDA vs MLA attention); the first stage also holds the
+from model/flops.py: MoE vs dense MLP, KDA vs MLA attention); the first stage also holds the
 embedding and the vision tower, the last one the LM head (out-mix, final norm, projection, loss).
 A rank holds `virtual_stages` stages: stage s lives on pipeline rank s % pp for the looped
 schedules (1F1B, Interleaved1F1B), and ranks r and 2*pp-1-r hold the two halves of a "V" for

@@ -27,16 +27,15 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from model.config import ConfigError, K3Config
+from model.config import K3Config
+from model.errors import ConfigError
 
-if TYPE_CHECKING:  # parallel/ does not import train/ at run time (DESIGN section 2)
-    from train.config import ParallelConfig
+from .config import ParallelConfig
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 DATA_SHARD_MODES = ("none", "optimizer", "full")

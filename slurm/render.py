@@ -7,7 +7,7 @@ import string
 import sys
 from pathlib import Path
 
-from model.config import ConfigError
+from model.errors import ConfigError
 from train.config import SlurmConfig
 
 TEMPLATE = Path(__file__).with_name("templates") / "job.sbatch.in"

@@ -19,7 +19,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import ConfigError
+from model.errors import ConfigError
 from train.cli import (
     CONFIG_DIR,
     hydra_exit_codes,

@@ -12,7 +12,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import ConfigError
+from model.errors import ConfigError
 
 from .config import TrainConfig
 from .startup_checks import check_known_keys, check_no_secret_overrides

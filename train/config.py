@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 
 from data_pipeline.config import DataConfig, StageConfig
 from data_pipeline.pipeline import is_prepared
-from model.config import ConfigError, K3Config, k3_tiny
+from model.config import K3Config, k3_tiny
+from model.errors import ConfigError
+from parallel.config import MoonEPConfig, ParallelConfig
 from parallel.topology import Topology
 
 from .startup_checks import check_betas, check_model_matches_data, check_no_secrets
 
-__all__ = ["ConfigError", "TrainConfig", "validate_train_config"]
+__all__ = ["ConfigError", "MoonEPConfig", "ParallelConfig", "TrainConfig",
+           "validate_train_config"]
 
 
 @dataclass
@@ -42,36 +45,6 @@ class OptimConfig:
 
 
 @dataclass
-class MoonEPConfig:
-    transport: str = "collective"  # collective (gloo/NCCL, static sizes) | symm_mem (CUDA)
-    alignment: int = 8  # rows per expert slot group are padded to a multiple of this
-
-
-@dataclass
-class ParallelConfig:
-    """Process layout, in Megatron's rank order tp-cp-ep-dp-pp (parallel/topology.py owns it).
-
-    world = pipeline * data * context * tensor; experts re-split the same ranks of one pipeline
-    stage as expert_data * expert * expert_tensor. Validated by Topology.from_config."""
-
-    data: int = -1  # data-parallel ranks (replicas x shards); -1: what the world size leaves
-    data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard optimizer|full)
-    data_shard: str = "none"  # none (DDP) | optimizer (ZeRO-1) | full (FSDP2)
-    tensor: int = 1
-    sequence_parallel: bool = True  # with tensor > 1: norms and AttnRes mixes sharded on T
-    context: int = 1
-    expert: int = 1
-    expert_tensor: int = 1
-    expert_dispatch: str = "moonep"  # moonep (static shapes, no host sync) | dynamic (baseline)
-    moonep: MoonEPConfig = field(default_factory=MoonEPConfig)
-    pipeline: int = 1
-    pipeline_schedule: str = "1F1B"  # 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV
-    virtual_stages: int = 1  # pipeline stages per rank (interleaved / V schedules)
-    backend: str = "auto"  # auto | gloo | nccl
-    timeout_s: float = 600.0  # a collective that waits longer fails the job
-
-
-@dataclass
 class PrecisionConfig:
     # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | mxfp4_qat | fp64 (parameters and
     # compute in float64: the layout-equivalence tests, where fp32 round-off would hide bugs)
@@ -79,7 +52,7 @@ class PrecisionConfig:
     qat_scale_mode: str = "floor"  # MX scale rounding: floor (OCP) | rceil (TE)
     # Transformer Engine for the LM's dense linears (CUDA only): "auto" uses it with the recipe
     # the GPU supports (Float8BlockScaling on 9.x, MXFP8BlockScaling on 10.x) where TE is
-    # installed; "off" keeps them in bf16 (SPEC 8: attention and latent projections stay high
+    # installed; "off" keeps them in bf16 (attention and latent projections stay high
     # precision in K3's own recipe).
     te: str = "off"
 

@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 
 from model.config import K3Config
+from parallel.config import ParallelConfig
 from parallel.topology import Topology
-
-from .config import ParallelConfig
 
 
 @dataclass

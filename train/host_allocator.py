@@ -3,11 +3,11 @@
 A training step allocates and frees the same activation sizes every micro-batch. With glibc's
 defaults a block above its (dynamic) mmap threshold goes back to the kernel when freed, and the
 heap's top is trimmed past twice that threshold, so the next step faults the same pages in again
-and the kernel zero-fills each one: on the CPU demo 10,000-18,000 page faults and 17-33 ms of
-system time per step on 2 cores (benchmarks/RESULTS.md). Fixing both thresholds (which also
-turns off glibc's dynamic adjustment) keeps blocks up to 32 MiB in the heap and the freed top up
-to 1 GiB. Peak RSS stays the step's own peak: the memory is reused, not added to.
-`K3_KEEP_HOST_MEMORY=0` keeps glibc's defaults; other C libraries are left alone.
+and the kernel zero-fills each one: thousands of page faults and their system time every step
+(benchmarks/RESULTS.md). Fixing both thresholds (which also turns off glibc's dynamic
+adjustment) keeps blocks up to 32 MiB in the heap and the freed top up to 1 GiB. Peak RSS stays
+the step's own peak: the memory is reused, not added to. `K3_KEEP_HOST_MEMORY=0` keeps glibc's
+defaults; other C libraries are left alone.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
 from model.k3 import K3Model
 from model.moe import update_balancers
-from model.ops import native
+from model.ops import cpu as cpu_kernels
 from parallel.apply import ParallelPlan, parallelize, shard_experts, shard_stages
 from parallel.topology import Topology
 
@@ -30,12 +30,13 @@ from .flops import PeakFlops, training_flops_per_token, vision_training_flops
 from .host_allocator import keep_freed_host_memory
 from .metrics import MetricsLogger
 from .optim.factory import build_optimizer, describe_groups, set_lr
-from .precision.plan import PrecisionPlan
+from .optim.qk_clip import QKClip
+from .precision.recipe import PrecisionRecipe
 from .run_log import Eta
 from .schedule import lr_at
 from .signals import EXIT_DONE, EXIT_PREEMPTED, PreemptionFlag
 from .startup_checks import check_kernel_compiler
-from .step_stats import moe_stats, peak_memory_gb
+from .step_stats import merge_stage_figures, moe_stats, peak_memory_gb
 from .validation import Validator
 
 log = logging.getLogger("k3.train")
@@ -45,12 +46,12 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def kernels_in_use(cfg: TrainConfig, precision: PrecisionPlan, device: torch.device) -> str:
+def kernels_in_use(cfg: TrainConfig, precision: PrecisionRecipe, device: torch.device) -> str:
     """What runs the work of the model's autograd functions, KDA and attention (the start-up
     log): the native kernels take fp32 CPU tensors only."""
     parts = []
     if (device.type == "cpu" and precision.dtype is None and not precision.fp64
-            and native.available()):
+            and cpu_kernels.kernels_in_use()):
         parts.append("native CPU")
     if cfg.fused_kernels:
         parts.append("fused (compiled)")
@@ -70,8 +71,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         # Not also NaN-filling every torch.empty (torch's default under deterministic
-        # algorithms: ~3% of the CPU demo's step): no operator here reads memory it has not
-        # written, and the native kernels' tests hold every output element to the references.
+        # algorithms, a pass over every new allocation): no operator here reads memory it has
+        # not written, and the native kernels' tests hold every output element to the
+        # references.
         torch.utils.deterministic.fill_uninitialized_memory = False
 
 
@@ -96,7 +98,7 @@ def write_marker(path: Path, step: int, env: DistEnv) -> None:
 
 
 def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch.device,
-                     precision: PrecisionPlan, parallel: ParallelPlan) -> torch.Tensor:
+                     precision: PrecisionRecipe, parallel: ParallelPlan) -> torch.Tensor:
     """Accumulates gradients of the global-token-mean loss; returns the step's mean loss."""
     micro_batches = [parallel.local_batch(mb) for mb in micro_batches]
     local_tokens = sum(mb.num_loss_tokens for mb in micro_batches)
@@ -126,10 +128,11 @@ class StepResult:
 
 
 def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
-               micro_batches: list[K3Batch], device: torch.device, precision: PrecisionPlan,
+               micro_batches: list[K3Batch], device: torch.device, precision: PrecisionRecipe,
                parallel: ParallelPlan, optim_cfg, on_gradients=None) -> StepResult:
     """One optimizer step on the micro-batches of this rank; the same code for every layout.
-    `on_gradients(model)` sees the reduced gradients before clipping (tests read them)."""
+    `on_gradients(model)` sees the reduced gradients before clipping (tests read them). QK-Clip
+    runs as the optimizers' post-step hook (QKClip, registered by build_parallel_model)."""
     loss = forward_backward(model, micro_batches, device, precision, parallel)
     parallel.finish_gradients()
     if on_gradients is not None:
@@ -138,13 +141,13 @@ def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
     grad_norm = parallel.clip_grad_norm_(max_norm)
     finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
     if finite:
-        for opt in optimizers:
+        for opt in optimizers:  # in order: the last one's post-step hook runs QK-Clip
             opt.step()
-        parallel.after_optimizer_step()
-    clip_row = precision.end_step(model, optim_cfg.qk_clip_tau, updated=finite,
-                                  clip=parallel.qk_clip_)
+        parallel.after_optimizer_step()  # ZeRO-1: each owner broadcasts what it clipped
+    qk_clip = QKClip.of(optimizers)
+    clip_row = qk_clip.end_step() if qk_clip is not None else {}
     balancers = [moe.balancer for moe in model.moe_layers() if moe.balancer is not None]
-    if finite:  # every layer's histograms in one integer all-reduce (SPEC 5)
+    if finite:  # every layer's histograms in one integer all-reduce
         update_balancers(balancers, parallel.sum_balancer_counts)
     else:
         for balancer in balancers:
@@ -154,17 +157,21 @@ def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
 
 
 def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: torch.device
-                         ) -> tuple[K3Model, PrecisionPlan, ParallelPlan,
+                         ) -> tuple[K3Model, PrecisionRecipe, ParallelPlan,
                                     list[torch.optim.Optimizer]]:
     """Model, precision, layout and optimizers, in that order (the optimizers see the sharded
-    parameters)."""
+    parameters), and QK-Clip on the optimizers (optim.qk_clip_tau > 0)."""
+    if device.type == "cpu":  # on every rank: the model's fp32 CPU ops take the C kernels
+        cpu_kernels.install()
     model = K3Model(cfg.model).to(device)
     shard_stages(model, topology, cfg)
     shard_experts(model, topology, cfg)
-    precision = PrecisionPlan.build(cfg.precision, device, model, cfg.optim.qk_clip_tau)
+    precision = PrecisionRecipe.build(cfg.precision, device, model)
     parallel = parallelize(model, topology, cfg, autocast=precision.autocast)
     optimizers = build_optimizer(model, cfg.optim, owns=parallel.owns,
                                  exchange=parallel.exchange)
+    if cfg.optim.qk_clip_tau > 0:
+        QKClip(model, cfg.optim.qk_clip_tau, parallel).register(optimizers)
     for moe in model.moe_layers():
         if moe.balancer is not None:
             moe.balancer.reduce_fn = parallel.sum_balancer_counts
@@ -261,7 +268,8 @@ def train(cfg: TrainConfig) -> int:
                        "mfu": model_flops / elapsed / (peak.flops * env.world_size),
                        "mfu_peak_source": peak.source, "peak_mem_gb": peak_memory_gb(env.device),
                        "skipped": not finite, "nonfinite_in_a_row": nonfinite_in_a_row,
-                       **parallel.stage_figures({**moe_stats(model), **clip_row})}
+                       **parallel.stage_figures({**moe_stats(model), **clip_row},
+                                                merge_stage_figures)}
                 metrics.log(row)
             if nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
                 raise NonFiniteLossError(

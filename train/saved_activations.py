@@ -21,8 +21,7 @@ from model.batch import K3Batch, cu_seqlens_from_lengths
 from model.config import K3Config
 from model.head import LMHead
 from model.k3 import DecoderLayer, K3Model
-
-from .activation_checkpointing import is_checkpointed
+from parallel.activation_checkpointing import is_checkpointed
 
 
 def _key(t: torch.Tensor) -> int:
@@ -67,7 +66,7 @@ def _model_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 def measure_saved_bytes(model: K3Model, batch: K3Batch) -> int:
     """Bytes kept for backward by `model(batch)`; layers checkpointed by
-    train/activation_checkpointing.py count the inputs they hold instead of their internals."""
+    parallel/activation_checkpointing.py count the inputs they hold instead of their internals."""
     saved = SavedBytes(_model_tensors(model))
     hooks = [layer.register_forward_pre_hook(
         lambda _, args: saved.hold(t for t in tree_leaves(args) if isinstance(t, torch.Tensor)))

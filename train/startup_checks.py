@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from data_pipeline.config import resolve_path
 from data_pipeline.manifest import manifest_path
 from data_pipeline.pipeline import is_prepared
-from model.config import ConfigError
+from model.errors import ConfigError
 
 # Environment names whose values are credentials (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY;
 # not TOKENIZERS_PARALLELISM): never into job scripts or saved configs.

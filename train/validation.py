@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from data_pipeline.loader import K3DataLoader
-from model.config import ConfigError
+from model.errors import ConfigError
 
 from .distributed import DistEnv
 

@@ -1,1 +1,1 @@
-"""MoonEP: static-shape, perfectly balanced expert parallelism with no host sync (SPEC 10)."""
+"""MoonEP: static-shape, perfectly balanced expert parallelism with no host sync."""

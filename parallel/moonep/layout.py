@@ -1,4 +1,4 @@
-"""Slot layout per rank (SPEC 10): E/R home-expert groups, then E/R copy groups, each padded to
+"""Slot layout per rank: E/R home-expert groups, then E/R copy groups, each padded to
 the alignment, in one buffer of S*K + 2*(E/R)*(alignment - 1) rows whatever the routing.
 
 Entry order is fixed so that every rank derives the same slots: the entries of expert e are

@@ -1,4 +1,4 @@
-"""The MoonEP planner (SPEC 10): which rank computes how many entries of which expert.
+"""The MoonEP planner: which rank computes how many entries of which expert.
 
 Every EP rank routes S tokens to K experts each, so it holds S*K (token, expert) entries and
 should compute exactly S*K entries. Expert e is homed on rank e // (E/R); a home rank whose

@@ -102,7 +102,8 @@ def _offload_world(rank: int, world: int, refs_path: str) -> dict:
 @pytest.mark.slow
 def test_offload_under_data_parallelism_matches_one_process(tmp_path):
     """Loss and gradients within 1e-5, parameters within the AdamW bound of
-    tests/test_parallel.py; ZeRO-1 splits the tensors (and their host state) over the ranks."""
+    tests/distributed/test_parallel.py; ZeRO-1 splits the tensors (and their host state) over the
+    ranks."""
     refs = tmp_path / "ref.pt"
     torch.save(run_steps(_offloaded(), None, micro_batches=2), refs)
     got = spawn(_offload_world, 2, tmp_path / "w2", str(refs))

@@ -76,7 +76,7 @@ def _gloo_worker(rank: int, init_file: str) -> None:
             if t.dp_replicate > 1:
                 _check_hsdp(t, rank)
             # every rank answers the roll call (the failing-rank test sees one that does not:
-            # tests/test_parallel_train.py)
+            # tests/distributed/test_parallel_train.py)
             assert t.unresponsive_ranks(timeout_s=120) == [], parallel
             t.destroy()
         dist.barrier()

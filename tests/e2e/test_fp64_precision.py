@@ -1,6 +1,7 @@
-"""`precision=fp64`: the float64 mode the layout-equivalence tests run in (tests/test_parallel.py,
-the whole-model context-parallel case). Its point is that differently ordered sums differ by
-float64 round-off only, so no op of a training step may round a value to fp32."""
+"""`precision=fp64`: the float64 mode the layout-equivalence tests run in
+(tests/distributed/test_parallel.py, the whole-model context-parallel case). Its point is that
+differently ordered sums differ by float64 round-off only, so no op of a training step may round
+a value to fp32."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

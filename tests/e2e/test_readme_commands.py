@@ -1,6 +1,7 @@
-"""Every `k3-train` and `torchrun ... -m train.cli` command in the README's shell blocks composes
-and passes k3-train's start-up validation at its world size: an example a user copies never
-fails on its configuration (the training runs themselves are tested elsewhere)."""
+"""Every `k3-train` and `torchrun ... -m train.cli` command in the shell blocks of the README and
+of every docs/*.md page composes and passes k3-train's start-up validation at its world size: an
+example a user copies never fails on its configuration (the training runs themselves are tested
+elsewhere)."""
 
 import re
 import shlex
@@ -10,16 +11,22 @@ import pytest
 from tests.helpers import REPO
 
 README = REPO / "README.md"
+DOCS = sorted((REPO / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+# Fenced blocks a user runs in a shell; a command in any of them is checked.
+SHELL_BLOCK = re.compile(r"```(?:bash|sh|shell|console)\n(.*?)```", re.S)
 
 
-def readme_train_commands() -> list[tuple[int, list[str]]]:
-    """(world size, overrides) of each training command in the README's bash blocks, with its
+def train_commands(page) -> list[tuple[int, list[str]]]:
+    """(world size, overrides) of each training command in the page's shell blocks, with its
     continuation lines joined and its comment dropped; commands with command-line flags
     (`--config-dir`, `--multirun`: another config tree, a Slurm launcher) are not included."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+    for block in SHELL_BLOCK.findall(page.read_text()):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             words = shlex.split(line.split(" #")[0])
+            if words[:1] == ["$"]:  # a console block's prompt
+                words = words[1:]
             if words[:1] == ["k3-train"]:
                 world, overrides = 1, words[1:]
             elif words[:1] == ["torchrun"] and "train.cli" in words:
@@ -34,17 +41,27 @@ def readme_train_commands() -> list[tuple[int, list[str]]]:
     return commands
 
 
-COMMANDS = readme_train_commands()
+COMMANDS = [(page.relative_to(REPO).as_posix(), world, overrides)
+            for page in PAGES for world, overrides in train_commands(page)]
 
 
-def test_the_readme_has_its_training_examples():
+def test_the_docs_exist_and_hold_their_training_examples():
+    names = {page.name for page in DOCS}
+    assert {"training.md", "parallelism.md", "moonep.md", "checkpoints.md"} <= names
     assert len(COMMANDS) >= 20
-    assert sum(world > 1 for world, _ in COMMANDS) >= 12
+    assert sum(world > 1 for _, world, _ in COMMANDS) >= 12
+    assert any(page == "README.md" for page, _, _ in COMMANDS)
 
 
-@pytest.mark.parametrize("world, overrides", COMMANDS,
-                         ids=[f"{world} ranks: {' '.join(o)}" for world, o in COMMANDS])
-def test_readme_command_validates(world, overrides):
+def test_the_readme_links_every_docs_page():
+    readme = README.read_text()
+    for page in DOCS:
+        assert f"(docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
+
+@pytest.mark.parametrize("page, world, overrides", COMMANDS,
+                         ids=[f"{p}: {w} ranks: {' '.join(o)}" for p, w, o in COMMANDS])
+def test_documented_command_validates(page, world, overrides):
     from hydra import compose, initialize_config_dir
 
     from train.cli import CONFIG_DIR, register_configs, to_train_config

@@ -1,6 +1,6 @@
 """Builds the optimizer from the model and the `optim` config.
 
-Every parameter gets a role from its name and shape (SPEC 7):
+Every parameter gets a role from its name and shape:
 - "matrix": hidden 2-D weights (and stacked 3-D expert weights): Muon under optim.name=muon.
 - "decay": embeddings and the LM head: AdamW with weight decay.
 - "no_decay": norms, biases, 1-D parameters, A_h, b_alpha, AttnRes queries, short-conv kernels,
@@ -35,7 +35,7 @@ def param_groups_by_role(model: nn.Module) -> dict[str, list[tuple[str, nn.Param
 
 
 def head_blocks(model: nn.Module) -> dict[str, int]:
-    """Per-Head Muon's blocks (SPEC 7): parameter name -> number of row-block heads.
+    """Per-Head Muon's blocks: parameter name -> number of row-block heads.
 
     KDA q/k/v projections in head_dim-row blocks, MLA q_b in (q_nope + q_rope)-row blocks and kv_b
     in (k_nope + v)-row blocks; [H * rows, in] is viewed as [H, rows, in]. Counted from the
@@ -92,8 +92,8 @@ def _cpu_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.
 
 def _torch_adamw(groups: list[dict], **kwargs) -> torch.optim.AdamW:
     """torch's AdamW, fused (one kernel over all tensors, where the default on a CPU is a loop
-    of about ten operators per tensor: 2 ms of the CPU demo's step against 9 ms) unless a
-    parameter is a DTensor, whose fused update refuses the optimizer's plain step counters."""
+    of about ten operators per tensor) unless a parameter is a DTensor, whose fused update
+    refuses the optimizer's plain step counters."""
     sharded = any(isinstance(p, DTensor) for group in groups for p in group["params"])
     return torch.optim.AdamW(groups, fused=None if sharded else True, **kwargs)
 

@@ -1,4 +1,4 @@
-"""Per-Head Muon (SPEC 7): momentum, Newton-Schulz orthogonalisation per matrix, scaled update.
+"""Per-Head Muon: momentum, Newton-Schulz orthogonalisation per matrix, scaled update.
 
 One step for a parameter W with gradient G (torch.optim.Muon's conventions):
 
@@ -14,24 +14,30 @@ With a single head this is torch.optim.Muon(adjust_lr_fn="match_rms_adamw") step
 heads it is stock Muon run on each head block as a separate parameter.
 
 Sharded layouts: Newton-Schulz needs whole matrices. The optimizer hands all of a step's
-updates to a MatrixExchange, which assembles blocks of whole matrices (the whole logical update,
-or the whole heads a tensor-parallel rank holds), has each orthogonalised once (by an owner
-rank, in a distributed exchange) and returns every rank's part; the default is local (every
-parameter is whole). A parallel plan passes its own exchange to the constructor; it lives outside
-the param groups so that checkpoints (which save the groups) hold no process groups. Groups keep
-the logical head count (`num_heads` of the full parameter), so they mean the same in every
-layout.
+updates to a MatrixExchange (parallel.muon_exchange), which assembles blocks of whole matrices
+(the whole logical update, or the whole heads a tensor-parallel rank holds), has each
+orthogonalised once (by an owner rank, in a distributed exchange) and returns every rank's
+part; the default is local (every parameter is whole). A parallel plan passes its own exchange
+to the constructor; it lives outside the param groups so that checkpoints (which save the
+groups) hold no process groups. Groups keep the logical head count (`num_heads` of the full
+parameter), so they mean the same in every layout.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, TypedDict
 
 import torch
 
+# The exchange's interface lives with the layouts that implement it (and is importable here).
+from parallel.muon_exchange import (  # noqa: F401
+    LocalExchange,
+    MatrixExchange,
+    MatrixJob,
+    Orthogonalize,
+)
 from train.optim.newton_schulz import newton_schulz
 
 AdjustLR = Literal["match_rms_adamw", "spectral", "none"]
@@ -69,39 +75,6 @@ class MuonParamGroup(TypedDict, total=False):
     num_heads: int
     head_axis: Literal[0, 1]
     name: str
-
-
-@dataclass(eq=False)
-class MatrixJob:
-    """One parameter's update for the exchange. `update` is this rank's part, shaped like
-    `param`; `param.shape` is the logical shape (DTensors report the full one)."""
-
-    update: torch.Tensor
-    param: torch.Tensor
-    num_heads: int
-    head_axis: int
-    ns_steps: int = 5
-    ns_dtype: torch.dtype | None = None
-
-
-# Orthogonalises a block of whole matrices of a job: the full logical update, or a slice of
-# whole heads along the job's head axis.
-Orthogonalize = Callable[[torch.Tensor, MatrixJob], torch.Tensor]
-
-
-class MatrixExchange(Protocol):
-    """Seam for sharded parameters: whole matrices orthogonalised, local parts returned."""
-
-    def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
-        """Each job's orthogonalised update, this rank's part shaped like its `update`."""
-        ...
-
-
-class LocalExchange:
-    """Every parameter is whole on this rank."""
-
-    def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
-        return [ortho(job.update, job) for job in jobs]
 
 
 def split_heads(x: torch.Tensor, num_heads: int, head_axis: int) -> torch.Tensor:

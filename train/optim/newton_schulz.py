@@ -1,4 +1,4 @@
-"""Newton-Schulz orthogonalisation of a batch of matrices (SPEC 7).
+"""Newton-Schulz orthogonalisation of a batch of matrices.
 
 Each matrix G is mapped to roughly U V^T (G = U S V^T): its singular values are pushed into
 about [0.5, 1.5] by five steps of a quintic polynomial whose coefficients maximise the slope at

@@ -1,4 +1,4 @@
-"""QK-Clip for gated MLA (MuonClip, SPEC 7), applied to the weights after the optimizer step.
+"""QK-Clip for gated MLA (MuonClip), applied to the weights after the optimizer step.
 
 A head whose max pre-softmax logit m exceeds tau gets gamma = tau / m. Its logit is
 q_nope . k_nope + q_rope . k_rope (times the softmax scale); scaling q_nope and k_nope by
@@ -8,13 +8,19 @@ The shared k_rope (one for all heads) and v are left alone. Other heads are unto
 
 Head-parallel shards work as they are: pass the local heads' weights, logits and count; for
 weights sharded otherwise (FSDP rows), `qk_clip_factors` gives the per-row factors to apply.
+
+In training, `QKClip` runs it as the optimizers' post-step hook, on every MLA layer.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from model.dtypes import upcast
+
+from ..distributed import all_reduce_max
 
 
 def _head_factors(gamma: torch.Tensor, first_dim: int, first_power: float, rest_dim: int,
@@ -70,3 +76,75 @@ def qk_clip_factors(max_logits: torch.Tensor, tau: float, qk_nope_dim: int, qk_r
     q_factors = _head_factors(gamma, qk_nope_dim, 0.5, qk_rope_dim, 1.0)
     kv_factors = _head_factors(gamma, qk_nope_dim, 0.5, v_dim, 0.0)
     return q_factors.reshape(-1), kv_factors.reshape(-1), exceeds.sum()
+
+
+class QKClip:
+    """QK-Clip as a post-step hook of the optimizers (`register`): once this rank's optimizers
+    have stepped, every MLA layer with a recorded max logit is clipped and its record reset.
+    `end_step()`, once per training step, returns the figures to log (and drops the records of a
+    skipped step, which clips nothing). Recording starts when the QKClip is made.
+
+    `parallel`: the layout's ParallelPlan, whose `qk_clip_` takes the max over dp x cp and
+    scales the rows whatever the layout of q_b/kv_b; None: whole heads on every rank, max logits
+    reduced over `group` (None: the world; under pipeline parallelism the ranks of one stage,
+    the others hold other layers)."""
+
+    _hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> QKClip
+
+    def __init__(self, model, tau: float, parallel=None, group=None):
+        self.model, self.tau, self.parallel, self.group = model, tau, parallel, group
+        self._max_logits: list[torch.Tensor] = []
+        self._clipped: list[torch.Tensor] = []
+        for mla in model.mla_layers():
+            mla.record_max_logit = True
+
+    def register(self, optimizers: list[torch.optim.Optimizer]) -> QKClip:
+        """Hooks the last of `optimizers`: a training step steps them in order, so its post-step
+        hook runs once all have stepped (and a ZeRO-1 rank's list holds only its own)."""
+        if not optimizers:
+            raise ValueError("QK-Clip runs after this rank's optimizers step, and this rank has "
+                             "none (ZeRO-1 left it no parameters): use fewer data-parallel "
+                             "ranks, or optim.qk_clip_tau=0")
+        optimizers[-1].register_step_post_hook(self._after_step)
+        QKClip._hooked[optimizers[-1]] = self
+        return self
+
+    @classmethod
+    def of(cls, optimizers: list[torch.optim.Optimizer]) -> QKClip | None:
+        """The QKClip registered on these optimizers, if any."""
+        return cls._hooked.get(optimizers[-1]) if optimizers else None
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        for mla in self.model.mla_layers():
+            if mla.max_logit is None:
+                continue
+            if self.parallel is None:
+                top, count = _clip_whole_heads(mla, self.tau, self.group)
+            else:
+                top, count = self.parallel.qk_clip_(mla, self.tau, qk_clip_factors)
+            self._max_logits.append(top)
+            self._clipped.append(count)
+            mla.max_logit = None
+
+    def end_step(self) -> dict[str, float]:
+        """The step's max logit over this rank's MLA layers and, when the optimizers stepped,
+        its clipped heads; resets the step's records."""
+        max_logits, clipped = self._max_logits, self._clipped
+        self._max_logits, self._clipped = [], []
+        for mla in self.model.mla_layers():
+            if mla.max_logit is not None:  # a skipped step: recorded, not clipped
+                max_logits.append(mla.max_logit.max())
+                mla.max_logit = None
+        if not max_logits:
+            return {}
+        row = {"attn/max_logit": float(torch.stack(max_logits).max())}
+        if clipped:
+            row["attn/clipped_heads"] = int(torch.stack(clipped).sum())
+        return row
+
+
+def _clip_whole_heads(mla, tau: float, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    all_reduce_max(mla.max_logit, group)  # every data-parallel replica clips the same heads
+    count = qk_clip_(mla.q_b.weight, mla.kv_b.weight, mla.max_logit, tau, mla.num_heads,
+                     mla.nope, mla.rope, mla.v_dim)
+    return mla.max_logit.max(), count

@@ -1,9 +1,9 @@
 """OCP Microscaling (MX) quantisation: MXFP4 (E2M1) and MXFP8 (E4M3) elements, E8M0 block scales.
 
-SPEC.md section 8. Blocks of `block_size` (32) consecutive elements along the last dimension (the
-GEMM reduction dimension) share one power-of-two scale 2^e, stored as the byte e + 127; 0xFF
-marks a NaN block. Elements x / 2^e round to nearest even on the element grid (subnormals
-included) and saturate to the largest finite element.
+Blocks of `block_size` (32) consecutive elements along the last dimension (the GEMM reduction
+dimension) share one power-of-two scale 2^e, stored as the byte e + 127; 0xFF marks a NaN
+block. Elements x / 2^e round to nearest even on the element grid (subnormals included) and
+saturate to the largest finite element.
 
 Scale exponent:
   "floor" (OCP MX v1.0): e = floor(log2 amax) - emax_elem   (emax_elem 2 for E2M1, 8 for E4M3)

@@ -1,4 +1,4 @@
-"""MX quantisation-aware training for the routed experts (SPEC.md section 8).
+"""MX quantisation-aware training for the routed experts.
 
 Forward runs on fake-quantised tensors (MXFP4 expert weights, MXFP8 GEMM inputs, blocks of 32
 along the reduction dimension, which is the last dimension of w1 [E, 2I, L], w2 [E, L, I] and of

@@ -1,6 +1,6 @@
 """Transformer Engine backend (GPU only): FP8 GEMMs for the language model's dense projections.
 
-Which recipe runs where (SPEC.md section 8; TE's support matrix):
+Which recipe runs where (TE's support matrix):
   compute capability 10.x, 11.x (Blackwell data centre): MXFP8BlockScaling (E4M3, E8M0 scale
       per 32 elements, the OCP MX format);
   9.x (Hopper) and 12.x (Blackwell workstation, no MXFP8 GEMMs in TE): Float8BlockScaling

@@ -392,7 +392,8 @@ def score_by_length(text: str) -> float:
 
 @pytest.mark.parametrize("keep_original", [True, False])
 def test_rephrase_hook_adds_derived_documents(keep_original):
-    cfg = RephraseConfig(enabled=True, rewriter="tests.test_data_units:rewrite_twice",
+    cfg = RephraseConfig(enabled=True,
+                         rewriter="tests.unit.data_pipeline.test_data_units:rewrite_twice",
                          keep_original=keep_original)
     docs = [Document("Knowledge text.", "k/1", metadata={"rephrase": True, "origin": "input"}),
             Document("Web text.", "w/1", metadata={"rephrase": False, "origin": "input"})]
@@ -410,7 +411,7 @@ def test_rephrase_hook_adds_derived_documents(keep_original):
 
 
 def test_classifier_hook_filters_by_score():
-    f = ClassifierFilter("tests.test_data_units:score_by_length", min_score=0.5)
+    f = ClassifierFilter("tests.unit.data_pipeline.test_data_units:score_by_length", min_score=0.5)
     assert f.filter(Document("x" * 80, "a")) is True
     assert f.filter(Document("x" * 20, "b")) == (False, "classifier_score_below_min")
 

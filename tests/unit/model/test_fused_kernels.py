@@ -172,7 +172,7 @@ def test_the_run_config_switches_them(fused_kernels):
     assert fused.fused_kernels_enabled()
 
 
-def test_a_run_without_a_cpp_compiler_fails_at_start_naming_the_flag(monkeypatch):
+def test_a_run_without_a_cpp_compiler_fails_at_start_naming_the_flag():
     """fused_kernels and compile on CPU refuse to start without a C++ compiler (instead of
     failing inside torch.compile at the first step); eager runs do not need one."""
     from torch._inductor import config as inductor_config
@@ -184,11 +184,13 @@ def test_a_run_without_a_cpp_compiler_fails_at_start_naming_the_flag(monkeypatch
     cpu = torch.device("cpu")
     for flags in ({"fused_kernels": True}, {"compile": True}):
         check_kernel_compiler(TrainConfig(**flags), cpu)  # this machine has one
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
-    check_kernel_compiler(TrainConfig(), cpu)
-    with pytest.raises(ConfigError, match=r"fused_kernels=true on CPU needs a C\+\+ compiler "
-                                          r".*'/nonexistent/g\+\+'.*set fused_kernels=false"):
-        check_kernel_compiler(TrainConfig(fused_kernels=True), cpu)
-    with pytest.raises(ConfigError, match=r"fused_kernels=true and compile=true .* set "
-                                          r"fused_kernels=false compile=false"):
-        check_kernel_compiler(TrainConfig(fused_kernels=True, compile=True), cpu)
+    # torch's own config patch: monkeypatch's setattr/undo on a config module leaves the
+    # entry hidden for the compiles of later tests
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
+        check_kernel_compiler(TrainConfig(), cpu)
+        with pytest.raises(ConfigError, match=r"fused_kernels=true on CPU needs a C\+\+ compiler "
+                                              r".*'/nonexistent/g\+\+'.*set fused_kernels=false"):
+            check_kernel_compiler(TrainConfig(fused_kernels=True), cpu)
+        with pytest.raises(ConfigError, match=r"fused_kernels=true and compile=true .* set "
+                                              r"fused_kernels=false compile=false"):
+            check_kernel_compiler(TrainConfig(fused_kernels=True, compile=True), cpu)

@@ -56,6 +56,7 @@ def full_model_plans():
                for name, args in FULL_MODEL_PLANS.items()}
 
 
+@pytest.mark.slow  # k3-plan traces k3_full's layers on the meta device: minutes
 def test_plan_of_the_full_model_on_a_large_layout(full_model_plans):
     p = _parsed(full_model_plans["large_layout"].result())
     params = p["parameters"]
@@ -88,6 +89,7 @@ def test_plan_rejects_an_expert_layout_that_does_not_divide():
     assert out.returncode == 2 and "parallel.expert=3" in out.stderr
 
 
+@pytest.mark.slow  # k3-plan traces k3_full's layers on the meta device: minutes
 def test_plan_accepts_context_expert_and_pipeline_layouts_through_the_topology(
         full_model_plans):
     p = _parsed(full_model_plans["context_expert_pipeline"].result())
@@ -117,6 +119,7 @@ def test_long_context_memory_fit_equals_the_trace():
                 == saved_after_forward(k3_tiny(), 8192, 1, 4, checkpointing))
 
 
+@pytest.mark.slow  # k3-plan traces k3_full's layers on the meta device: minutes
 def test_long_context_plan_says_which_context_stages_fit_an_h200(full_model_plans):
     rows = _parsed(full_model_plans["long_context"].result())["long_context"]
     assert [r["seq_len"] for r in rows] == [8192, 65536, 262144, 1048576]

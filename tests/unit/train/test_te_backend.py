@@ -18,7 +18,7 @@ from model.config import k3_tiny, replace
 from model.k3 import K3Model
 from tests.helpers.tolerances import rel_rms
 from train.config import PrecisionConfig
-from train.precision.plan import PrecisionPlan
+from train.precision.recipe import PrecisionRecipe
 from train.precision.te_backend import (
     FLOAT8_BLOCK,
     MXFP8,
@@ -97,7 +97,7 @@ def test_cpu_precision_plan_never_imports_te(import_spy, precision):
     cfg = k3_tiny()  # expert_intermediate 64: MX QAT needs w2's reduction dim in blocks of 32
     model = K3Model(replace(cfg, moe=dataclasses.replace(cfg.moe, expert_intermediate=64)))
     before = {n: type(m) for n, m in model.named_modules()}
-    plan = PrecisionPlan.build(PrecisionConfig(precision), torch.device("cpu"), model)
+    plan = PrecisionRecipe.build(PrecisionConfig(precision), torch.device("cpu"), model)
     assert plan.te is None
     assert import_spy.attempts == []
     assert not any(name.startswith("transformer_engine") for name in sys.modules)
@@ -147,7 +147,7 @@ def test_te_linears_keep_names_weights_and_track_bf16():
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     batch = K3Batch(*(torch.randint(1, 2000, (2, 64), device=device),) * 2,
                     torch.tensor([0, 64, 128], device=device))
-    bf16 = PrecisionPlan(torch.bfloat16, "cuda", qat=False, qk_clip=False)
+    bf16 = PrecisionRecipe(torch.bfloat16, "cuda", qat=False)
     with torch.no_grad(), bf16.autocast():
         expected = model.eval()(batch, return_logits=True).logits
 
@@ -156,7 +156,7 @@ def test_te_linears_keep_names_weights_and_track_bf16():
     state = model.state_dict()
     assert list(state) == list(reference)  # same names, no `_extra_state`
     assert all(torch.equal(state[k], reference[k]) for k in reference)
-    fp8 = PrecisionPlan(torch.bfloat16, "cuda", qat=False, qk_clip=False, te=plan)
+    fp8 = PrecisionRecipe(torch.bfloat16, "cuda", qat=False, te=plan)
     with torch.no_grad(), fp8.autocast():
         got = model(batch, return_logits=True).logits
     # E4M3 keeps 3 mantissa bits: each operand carries a relative rounding error of RMS about

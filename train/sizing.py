@@ -1,0 +1,322 @@
+"""`k3-plan`: parameters, active parameters, FLOPs per token and memory per GPU for a model and a
+parallel layout, from the same configs as `k3-train`.
+
+    k3-plan model=k3_full parallel.tensor=8 parallel.expert=64 parallel.pipeline=8 \
+        parallel.data=64 stage.seq_len=8192 stage.micro_batch_size=1 [--json] [--long-context]
+
+--long-context adds the memory per GPU at 8K, 64K, 256K and 1M tokens per sequence with the
+same layout, and whether each fits an H200 (141 GB, 10% kept free).
+
+The model is built on the meta device (no memory, no time), so the counts are the real module's.
+Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
+Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter
+within one HSDP replica, and activations from the tensors the modules save for backward, traced
+on the meta device (see activation_bytes). Data-parallel traffic: the bytes one rank hands to
+each collective per optimizer step (see data_parallel_bytes; benchmarks/parallel_overhead.py
+counts them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from model.config import K3Config
+from model.errors import ConfigError
+from model.k3 import K3Model
+from model.params import count_parameters
+from parallel.moonep.traffic import moe_layer_traffic
+from parallel.topology import Topology
+
+from .cli import CONFIG_DIR, hydra_exit_codes, prepare_tool_argv, register_configs, to_train_config
+from .flops import forward_flops_per_token, training_flops_per_token
+from .saved_activations import checkpointed_inputs_bytes, traced_head_bytes, traced_layer_bytes
+
+GiB = 2**30
+
+
+def plan_topology(cfg) -> Topology:
+    """The validated layout (parallel/topology.py) of the world these sizes make, data x tensor x
+    context x pipeline ranks. k3-plan has no world of its own: data=-1 takes the fewest data
+    ranks that hold whole expert groups (expert*expert_tensor dividing data*context*tensor)."""
+    p = cfg.parallel
+    data = p.data
+    if data == -1:
+        span = max(p.expert * p.expert_tensor, 1)
+        data = span // math.gcd(span, max(p.tensor * p.context, 1))
+    world = max(data, 1) * p.tensor * p.context * p.pipeline
+    return Topology.from_config(p, world, cfg.model)
+
+
+def layout_dict(t: Topology) -> dict:
+    return {"world_size": t.world_size, "pipeline": t.pp, "data": t.dp,
+            "data_replicate": t.dp_replicate, "data_shard": t.data_shard, "context": t.cp,
+            "tensor": t.tp, "sequence_parallel": t.sequence_parallel, "expert": t.ep,
+            "expert_tensor": t.etp, "expert_data": t.edp, "virtual_stages": t.virtual_stages,
+            "pipeline_schedule": t.pipeline_schedule}
+
+
+def saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layers: int,
+                        checkpointing: bool) -> tuple[int, int]:
+    """(embedding + layers + head, largest layer) bytes kept for backward after the forward of
+    one micro-batch through `num_layers` layers, counted by tracing the real modules on the meta
+    device (train/saved_activations.py: bf16, with the fp32 tensors the model keeps). With
+    activation checkpointing the layers count what they hold for recomputation; without it, a
+    pipeline stage's (num_layers below the model's) count the AttnRes blocks it receives too."""
+    per_layer = traced_layer_bytes(cfg, micro_batch, seq_len)
+    embedding, head = traced_head_bytes(cfg, micro_batch, seq_len)
+    if checkpointing:
+        layers = checkpointed_inputs_bytes(cfg, micro_batch, seq_len, num_layers)
+    else:
+        layers = sum(sorted(per_layer)[-num_layers:])
+        if num_layers < cfg.num_layers:  # a later stage's mixes keep the blocks it receives
+            layers += cfg.num_attnres_blocks * micro_batch * seq_len * cfg.hidden_size * 2
+    return embedding + layers + head, max(per_layer)
+
+
+_PROBE_TRACES: dict[tuple, list[tuple[int, int]]] = {}  # K3Config is unhashable: keyed by its repr
+
+
+def fitted_saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layers: int,
+                               checkpointing: bool, probes=(1024, 2048, 4096)) -> tuple[int, int]:
+    """`saved_after_forward` at any length from traces at three short ones: every saved
+    tensor's size is a polynomial of degree <= 2 in the tokens (linear for projections, chunk
+    states and the blockwise attention's statistics; quadratic only for a dense [T, T] mask or
+    score matrix, if the model saves one), so the quadratic through three points is exact. The
+    trace itself runs the layers' Python per chunk and would take minutes at 64K tokens. The
+    probe traces do not depend on `seq_len`: each configuration traces them once (every context
+    stage of `--long-context` reads the same three)."""
+    key = (repr(cfg), micro_batch, num_layers, checkpointing, tuple(probes))
+    if key not in _PROBE_TRACES:
+        _PROBE_TRACES[key] = [saved_after_forward(cfg, t, micro_batch, num_layers, checkpointing)
+                              for t in probes]
+    points = _PROBE_TRACES[key]
+
+    def at(values: list[int]) -> int:  # Lagrange interpolation through the probes
+        total = 0.0
+        for i, (ti, vi) in enumerate(zip(probes, values, strict=True)):
+            w = 1.0
+            for j, tj in enumerate(probes):
+                if j != i:
+                    w *= (seq_len - tj) / (ti - tj)
+            total += w * vi
+        return round(total)
+
+    return at([p[0] for p in points]), at([p[1] for p in points])
+
+
+def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Topology,
+                     checkpointing: bool, fitted: bool = False) -> float:
+    """Activations kept for backward on one GPU: a stage's share of `saved_after_forward`
+    (the head as configured: with the chunked loss no vocabulary-sized logits remain, with
+    `loss_chunk_tokens=0` the fp32 logits are counted) for each of up to `pipeline` micro-batches
+    that 1F1B keeps in flight on the first stage, plus one layer's recomputation with activation
+    checkpointing. Tensor parallelism splits heads, and sequence parallelism the rest, across
+    its ranks."""
+    layers_per_stage = -(-cfg.num_layers // layout.pp)
+    saved_fn = fitted_saved_after_forward if fitted else saved_after_forward
+    saved, largest_layer = saved_fn(cfg, seq_len // layout.cp, micro_batch, layers_per_stage,
+                                    checkpointing)
+    recompute = largest_layer if checkpointing else 0
+    return (saved * layout.pp + recompute) / layout.tp
+
+
+def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_len: int,
+                   micro_batch: int, checkpointing: bool,
+                   fitted: bool = False) -> dict[str, float]:
+    routed = counts.routed_experts
+    dense = counts.total - routed
+    dense_local = dense / (layout.tp * layout.pp)
+    expert_local = routed / (layout.ep * layout.etp * layout.pp)
+    states = 2 if optimizer == "adamw" else 1  # Muon: one momentum buffer (AdamW on the rest)
+    weights = 2 * (dense_local + expert_local)  # bf16 compute copies
+    grads = 4 * (dense_local + expert_local)  # fp32 gradient accumulation
+    # Sharded within a replica: HSDP's replicas each hold the whole state.
+    master_and_states = (4 + 4 * states) * (dense_local / layout.dp_shard + expert_local
+                                            / (layout.edp // layout.dp_replicate))
+    acts = activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing, fitted)
+    total = weights + grads + master_and_states + acts
+    return {"weights_gib": weights / GiB, "grads_gib": grads / GiB,
+            "optimizer_gib": master_and_states / GiB, "activations_gib": acts / GiB,
+            "total_gib": total / GiB}
+
+
+def data_parallel_bytes(model: K3Model, layout: Topology) -> dict[str, int]:
+    """Bytes one rank passes to each data-parallel collective per optimizer step (the buffer of
+    every call: all_reduce's and broadcast's tensor, all_gather's output, reduce_scatter's
+    input; fp32 parameters and gradients), for a rank holding the root parameters (embedding,
+    LM head, vision). `model`: the built (meta-device) model. With N this rank's parameters
+    and N_root those of the root unit:
+
+        none        all_reduce 4N
+        optimizer   all_reduce 4N; broadcast 4N (owners send updated parameters within a replica)
+        full        all_gather 4N + 4(N - N_root) (non-root units gather again in backward);
+                    reduce_scatter 4N; HSDP adds all_reduce 4N / (dp_shard x cp) (the shards)
+        expert      all_reduce 4 N_dense over dp x cp and 4 N_experts over expert-data ranks
+        QB counts   every MoE layer's int64 statistics ([E, bins + 1]), one all_reduce
+
+    The loss-token count, gradient norms and max logits add a few hundred bytes to all_reduce;
+    tensor-parallel traffic is not data-parallel and not counted here."""
+    data_ranks = layout.dp * layout.cp
+    if data_ranks == 1:
+        return {}
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    counts = count_parameters(model)
+    routed = counts.routed_experts
+    experts = routed / (layout.ep * layout.etp * layout.pp)
+    dense = (counts.total - routed) / (layout.tp * layout.pp)
+    root = sum(n for name, n in sizes.items() if not name.startswith("layers.")) / layout.tp
+    n = dense + experts
+    shards = layout.dp_shard * layout.cp
+    out: dict[str, float] = {}
+    if layout.ep > 1:  # dense and expert gradients each over their own ranks (no sharding)
+        out["all_reduce"] = 4 * dense + (4 * experts if layout.edp > 1 else 0)
+    elif layout.data_shard == "none":
+        out["all_reduce"] = 4 * n
+    elif layout.data_shard == "optimizer":
+        out["all_reduce"] = 4 * n
+        if shards > 1:
+            out["broadcast"] = 4 * n
+    else:
+        out["all_gather"] = 4 * n + 4 * (n - root)
+        out["reduce_scatter"] = 4 * n
+        if layout.dp_replicate > 1:
+            out["all_reduce"] = 4 * n / shards
+    out["QB counts (int64)"] = 8 * sum(moe.balancer.local_statistics().numel()
+                                       for moe in model.moe_layers() if moe.balancer is not None)
+    return {k: round(v) for k, v in out.items()}
+
+
+LONG_CONTEXT = (8192, 65536, 262144, 1048576)  # K3's context stages
+H200_BYTES = 141e9  # HBM3e of one H200 (141 GB = 131.3 GiB)
+RESERVE = 0.10  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+def long_context_memory(cfg: K3Config, counts, layout: Topology, optimizer: str,
+                        micro_batch: int, checkpointing: bool) -> list[dict]:
+    """Memory per GPU at each context stage with this layout (each CP rank holds seq/cp tokens
+    of every sequence) and whether it fits an H200 with RESERVE kept free."""
+    rows = []
+    for seq in LONG_CONTEXT:
+        mem = memory_per_gpu(cfg, counts, layout, optimizer, seq, micro_batch, checkpointing,
+                             fitted=True)
+        rows.append({"seq_len": seq, **mem,
+                     "fits_h200": mem["total_gib"] * GiB <= (1 - RESERVE) * H200_BYTES})
+    return rows
+
+
+def plan(cfg, long_context: bool = False) -> dict:
+    with torch.device("meta"):
+        model = K3Model(cfg.model)
+    counts = count_parameters(model)
+    layout = plan_topology(cfg)
+    seq = cfg.stage.seq_len
+    return {
+        "model": cfg.model.name,
+        "parameters": counts.as_dict(),
+        "flops_per_token": {"forward": forward_flops_per_token(cfg.model, seq),
+                            "training": training_flops_per_token(cfg.model, seq),
+                            "seq_len": seq},
+        "layout": layout_dict(layout),
+        "memory_per_gpu": memory_per_gpu(cfg.model, counts, layout, cfg.optim.name, seq,
+                                         cfg.stage.micro_batch_size,
+                                         cfg.activation_checkpointing),
+        "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
+        "data_parallel_bytes": data_parallel_bytes(model, layout),
+        **({"long_context": long_context_memory(cfg.model, counts, layout, cfg.optim.name,
+                                                cfg.stage.micro_batch_size,
+                                                cfg.activation_checkpointing)}
+           if long_context else {}),
+    }
+
+
+def expert_traffic(cfg: K3Config, layout: Topology, tokens_per_micro_batch: int) -> dict:
+    """Bytes one rank receives per MoE layer and micro-batch (bf16 activations), per dispatch
+    and transport, with the formulas (parallel/moonep/traffic.py)."""
+    moe = cfg.moe
+    tokens = tokens_per_micro_batch // layout.cp
+    out = {"tokens_per_rank": tokens, "ranks": layout.ep}
+    for name, dispatch, transport in (("moonep_collective", "moonep", "collective"),
+                                      ("moonep_symm_mem", "moonep", "symm_mem"),
+                                      ("dynamic", "dynamic", "collective")):
+        out[name] = moe_layer_traffic(tokens, moe.top_k, moe.num_experts, layout.ep,
+                                      moe.latent_dim, moe.expert_intermediate, dispatch,
+                                      transport=transport)
+    return out
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_plan(p: dict) -> str:
+    c, f, m, lay = p["parameters"], p["flops_per_token"], p["memory_per_gpu"], p["layout"]
+    t = p["expert_traffic"]
+    lines = [
+        f"model {p['model']}",
+        f"  parameters        {_human(c['total'])} total, {_human(c['active'])} active per token "
+        f"(LM {_human(c['language_model'])}, vision {_human(c['vision'])}, "
+        f"routed experts {_human(c['routed_experts'])})",
+        f"  FLOPs per token   {_human(f['forward'])} forward, {_human(f['training'])} training "
+        f"(seq_len {f['seq_len']})",
+        "  layout            " + " ".join(f"{k}={v}" for k, v in lay.items()),
+        "  memory per GPU    " + ", ".join(f"{k.removesuffix('_gib')} {v:.1f} GiB"
+                                          for k, v in m.items()),
+        f"  expert traffic    per MoE layer and micro-batch, received per rank "
+        f"(S={t['tokens_per_rank']}, R={t['ranks']}): moonep/collective "
+        f"{t['moonep_collective']['total'] / 2**20:.1f} MiB, moonep/symm_mem at most "
+        f"{t['moonep_symm_mem']['total'] / 2**20:.1f} MiB, dynamic (balanced routing) "
+        f"{t['dynamic']['total'] / 2**20:.1f} MiB; formulas with --json",
+    ]
+    dp_bytes = p["data_parallel_bytes"]
+    lines.append("  data-parallel     per step and rank: " + (", ".join(
+        f"{k} {v / 2**20:.1f} MiB" for k, v in dp_bytes.items()) or "none (one data rank)"))
+    for row in p.get("long_context", []):
+        lines.append(f"  at {row['seq_len']:>8} tokens  {row['total_gib']:7.1f} GiB per GPU "
+                     f"(activations {row['activations_gib']:.1f}): "
+                     + ("fits an H200" if row["fits_h200"] else "does not fit an H200")
+                     + f" ({(1 - RESERVE) * H200_BYTES / GiB:.1f} GiB usable)")
+    return "\n".join(lines)
+
+
+register_configs()
+_as_json = False
+_long_context = False
+
+
+_task_started = False  # set once Hydra has composed the config and calls the task
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
+    try:
+        train_cfg = to_train_config(cfg)
+        train_cfg.model.validate("model")
+        result = plan(train_cfg, _long_context)
+    except ConfigError as e:
+        print(f"k3-plan: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(result, indent=2) if _as_json else format_plan(result))
+
+
+def main() -> None:
+    global _as_json, _long_context
+    _long_context = "--long-context" in sys.argv
+    if _long_context:
+        sys.argv.remove("--long-context")
+    _as_json = prepare_tool_argv("--json")
+    hydra_exit_codes(_hydra_main, lambda: _task_started)
+
+
+if __name__ == "__main__":
+    main()
