@@ -208,7 +208,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    from tests.train_helpers import free_port
+    from tests.helpers.train_helpers import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()

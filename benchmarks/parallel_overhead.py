@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.k3 import K3Model  # noqa: E402
 from parallel.topology import Topology  # noqa: E402
-from tests.parallel_harness import global_batch, layout, spawn, tiny_config  # noqa: E402
+from tests.helpers.parallel_harness import global_batch, layout, spawn, tiny_config  # noqa: E402
 from train.plan import data_parallel_bytes  # noqa: E402
 
 # collective -> (the argument whose size is counted: the full, unsharded side; k3-plan's name)

@@ -358,7 +358,7 @@ from model.config import k3_small, k3_tiny
 from model.k3 import K3Model
 from model.ops.kda import _fla_chunk_kda
 from train.config import PrecisionConfig
-from train.precision.plan import PrecisionPlan
+from train.precision.recipe import PrecisionRecipe
 
 small = dataclasses.replace(k3_small(), num_layers=4, vision=None).validate()
 cases = [("k3_tiny", k3_tiny(), 8, 512), ("k3_small, 4 layers", small, 4, 2048)]
@@ -369,11 +369,11 @@ print(f"  KDA kernel: {'fla' if ON_CUDA and _fla_chunk_kda() else 'torch chunk'}
 def measure(cfg, batch, seq, use_te):
     model = K3Model(cfg).to(DEVICE)
     if use_te:
-        plan = PrecisionPlan.build(PrecisionConfig("bf16"), DEVICE, model)
+        plan = PrecisionRecipe.build(PrecisionConfig("bf16"), DEVICE, model)
         if plan.te is None:
             return True, "TE plan not available on this GPU (see log)"
     else:
-        plan = PrecisionPlan(torch.bfloat16 if ON_CUDA else None, DEVICE.type, False, False)
+        plan = PrecisionRecipe(torch.bfloat16 if ON_CUDA else None, DEVICE.type, False)
     tokens = torch.randint(1, cfg.vocab_size, (batch, seq), device=DEVICE)
     cu = torch.arange(0, batch * seq + 1, seq, device=DEVICE)
     data = K3Batch(tokens, tokens.roll(-1, 1), cu)
