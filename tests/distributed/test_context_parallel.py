@@ -46,6 +46,16 @@ from tests.unit.parallel.test_context_parallel import (
     recurrent_states_entering,
 )
 
+# EXACT_TOL (1e-9) holds the float64 model against one process (measured worst: gradients
+# 1.6e-11 and parameters 2.8e-12 under CP4, losses 3.3e-15, QB biases equal). The fp32
+# comparisons: a layer on its fragment against the same layer on the whole rows (other chunk
+# boundaries, other partial sums in the exchanged states and the gradient all-reduce), measured
+# worst 3.1e-6 (KDA, CP2; MLA 3.1e-7), printed by `_world_of_4`; k3-train's losses under
+# parallel.context=2 against one process, measured worst 1.3e-7 over its 3 steps.
+FP32_LAYER_TOL = 1e-5
+FP32_LOSS_TOL = 1e-6
+LAYER_WORST: dict[str, float] = {}  # this rank's worst per layer and CP size
+
 
 def _layer_case(layer_cls, cfg, fragment, F, seed, rank_group):
     """One layer on this rank's fragment against the same layer on the whole rows."""
@@ -74,11 +84,13 @@ def _layer_case(layer_cls, cfg, fragment, F, seed, rank_group):
     y = layer(x_local, shard.cu_seqlens, local_seg)
     (y * dy[:, rows]).sum().backward()
     what = f"{layer_cls.__name__} CP{F}"
-    assert_close_rms(y_ref[:, rows], y, EXACT_TOL, f"{what} output")
-    assert_close_rms(x.grad[:, rows], x_local.grad, EXACT_TOL, f"{what} input grad")
     _sum_gradients(layer, rank_group)
-    for (name, p_ref), p in zip(reference.named_parameters(), layer.parameters()):
-        assert_close_rms(p_ref.grad, p.grad, EXACT_TOL, f"{what} {name}")
+    pairs = [(y_ref[:, rows], y, "output"), (x.grad[:, rows], x_local.grad, "input grad")]
+    pairs += [(p_ref.grad, p.grad, name) for (name, p_ref), p
+              in zip(reference.named_parameters(), layer.parameters(), strict=True)]
+    for expected, value, name in pairs:
+        LAYER_WORST[what] = max(LAYER_WORST.get(what, 0.0), rel_rms(expected, value))
+        assert_close_rms(expected, value, FP32_LAYER_TOL, f"{what} {name}")
 
 
 def _static_case(cfg, cp_group, fragment, F):
@@ -166,7 +178,7 @@ def one_process_trajectory(dp: int) -> dict:
 def _model_case(reference: dict, cp_group, dp_cp_group, fragment, F, dp_rank, dp):
     """k3_tiny in float64, 3 free AdamW steps each: the CP (x DP) model on the replicas'
     fragments, with its own optimizer and Quantile Balancing (statistics summed over dp x cp),
-    against `one_process_trajectory(dp)`. Within 1e-5: the loss and every gradient of every
+    against `one_process_trajectory(dp)`. Within EXACT_TOL: the loss and every gradient of every
     step, the balancer biases after each step and every parameter after the third.
 
     float64, because in fp32 two exact one-process runs that differ only in the KDA chunk size
@@ -236,6 +248,8 @@ def _world_of_4(rank: int, init_file: str, references: str) -> None:
             _static_case(cfg, cp_group, fragment, F)
             reference = torch.load(references, weights_only=False)[dp]
             _model_case(reference, cp_group, world, fragment, F, dp_rank, dp)
+        print(f"rank {rank} fp32 layers, worst relative RMS: "  # shown with pytest -s
+              + "  ".join(f"{k} {v:.1e}" for k, v in LAYER_WORST.items()), flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -253,7 +267,7 @@ def test_cp2_and_cp4_equal_one_process(tmp_path):
 @pytest.mark.timeout(600)
 def test_k3_train_with_context_2_matches_one_rank(tmp_path, sample_data_dir):
     """torchrun, 2 ranks, parallel.context=2 (the bundled sample: packed documents and images)
-    against one process: the loss of every step within 1e-5."""
+    against one process: the loss of every step within FP32_LOSS_TOL."""
     one = tmp_path / "one"
     run_train(one, sample_data_dir, *FAST, "steps=3", "checkpoint.every=0",
               "checkpoint.save_at_end=false")
@@ -268,5 +282,7 @@ def test_k3_train_with_context_2_matches_one_rank(tmp_path, sample_data_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3]
+    errors = {step: abs(a[step] - b[step]) / abs(a[step]) for step in a}
+    print(f"k3-train CP2 against one process, relative loss error per step: {errors}")
     for step in a:
-        assert abs(a[step] - b[step]) <= EXACT_TOL * abs(a[step]), (step, a[step], b[step])
+        assert errors[step] <= FP32_LOSS_TOL, (step, a[step], b[step])

@@ -2,8 +2,10 @@
 global batches with AdamW and with Muon (+QK-Clip on every head), compared as full tensors
 (relative RMS) with one process that takes each global batch whole.
 
-Within 1e-5 for every layout and both optimizers: the loss and gradient norm of every step,
-every gradient before the first step and every parameter after the third step.
+Within 1e-9 for every layout and both optimizers, every figure present: the loss and gradient
+norm of every step, every gradient before the first step and every parameter after the third
+step (measured worst: 5.7e-13, AdamW's embedding after 3 steps under tensor parallelism; losses
+within 2.3e-16, gradients within 7.8e-15).
 
 The runs are in float64 (`precision=fp64`: parameters, gradient reductions and the model's fp32
 islands all in float64). In fp32 two runs that only sum in a different order (one process taking
@@ -11,7 +13,7 @@ the batch in 1 or in 4 micro-batches) end 3 AdamW steps up to 6e-5 apart: Adam d
 element by its own gradient magnitude, so an element whose gradient is near eps or
 near-cancelling (A_h) turns ~1e-7 round-off into an O(1%) change of its update, and the layouts
 under tensor parallelism (other partial sums) were 2e-3 apart. In float64 that round-off is
-~1e-16 and the same comparisons measure 1e-13 or less, so 1e-5 measures the layout, not the
+~1e-16 and the same comparisons measure 1e-12 or less, so 1e-9 measures the layout, not the
 order of sums. One fp32 comparison stays (TP2 x DP2 with sequence parallelism, AdamW: losses,
 first-step gradients and their norm against one process taking the ranks' shares as
 micro-batches) so the production dtype's reductions are covered too. Layouts share spawned
@@ -27,7 +29,11 @@ from tests.helpers.parallel_harness import compare, layout, run_steps, spawn, ti
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-TOL = 1e-5
+TOL = 1e-9  # float64 layouts against one process (measured: see the module docstring)
+# fp32 (FP32_CASE) against one process on the same micro-batches: only fp32 partial sums in
+# another order. Measured: losses of the 3 steps within 5.6e-7, the first step's gradient norm
+# 3.4e-9 and its worst gradient tensor 2.4e-6; 1e-5 is 4x the worst.
+FP32_TOL = 1e-5
 OPTIMIZERS = ("adamw", "muon")
 WORLD_2 = {"dp2": dict(data=2), "tp2": dict(tensor=2, sequence_parallel=False)}
 WORLD_4 = {"dp4_optimizer": dict(data=4, data_shard="optimizer"),
@@ -89,7 +95,19 @@ def test_layouts_match_one_process(tmp_path, references, world, layouts):
                          for what in ("muon", "adamw") if f"{what}_param" in e)
         print(f"{name:<24} loss {e['loss']:.1e}  norm {e['grad_norm']:.1e}  grad {e['grad']:.1e}"
               f"{params}")
-    keys = ("loss", "grad_norm", "grad", "muon_param", "adamw_param")
-    bad = {k: v for k, v in errors.items()  # `not <=`: a NaN is beyond too
-           if not all(v.get(key, 0.0) <= TOL for key in keys)}
-    assert not bad, f"beyond {TOL}: {bad}\nall: {errors}"
+    # Every figure present: a metric the harness failed to produce fails here, not passes.
+    keys = {"adamw": {"loss", "grad_norm", "grad", "adamw_param"},
+            "muon": {"loss", "grad_norm", "grad", "muon_param", "adamw_param"},
+            "fp32": {"loss", "grad_norm", "grad"}}
+    bad = {}
+    for name, e in errors.items():
+        kind = name.rsplit("/", 1)[1]
+        figures = {k for k in e if not k.startswith("worst_")}
+        assert figures == keys[kind], (name, sorted(figures))
+        tol = FP32_TOL if kind == "fp32" else TOL
+        if not all(e[key] <= tol for key in keys[kind]):  # `not <=`: a NaN is beyond too
+            bad[name] = e
+    worst = {kind: max((max(e[k] for k in keys[kind]) for n, e in errors.items()
+                        if n.rsplit("/", 1)[1] == kind), default=None) for kind in keys}
+    print(f"worst relative error per kind: {worst}")
+    assert not bad, f"beyond {TOL} (fp32: {FP32_TOL}): {bad}\nall: {errors}"

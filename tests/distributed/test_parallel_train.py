@@ -87,9 +87,18 @@ FAILING = ["stage.seq_len=128", "stage.micro_batch_size=1", "stage.global_batch_
 def test_a_failing_rank_fails_the_job_and_the_run_resumes(tmp_path, sample_data_dir):
     """One run through both failures: rank 2 killed as step 3 starts, then, resumed, rank 1 hung
     as step 5 starts; each job ends with the last complete checkpoint valid, and the same
-    command then finishes the run. How long a failed job took is reported, not asserted (a
-    loaded machine stretches start-up); one that never ends fails the test through torchrun()'s
-    subprocess timeout."""
+    command then finishes the run with the losses and gradient norms of the same command run
+    without failures, bit for bit, at every step any of its jobs logged (the same 4 ranks, data
+    and seed: deterministic fp32 CPU runs, so a resumed step that lost any state, optimizer
+    moments, loader position or QB bias, differs). How long a failed job took is reported, not
+    asserted (a loaded machine stretches start-up); one that never ends fails the test through
+    torchrun()'s subprocess timeout."""
+    uninterrupted = tmp_path / "uninterrupted"
+    out = torchrun(uninterrupted, sample_data_dir, 4, *FAILING)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = {row["step"]: row for row in read_metrics(uninterrupted)}
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+
     run = tmp_path / "run"
     start = time.monotonic()
     out = torchrun(run, sample_data_dir, 4, *FAILING,
@@ -118,3 +127,8 @@ def test_a_failing_rank_fails_the_job_and_the_run_resumes(tmp_path, sample_data_
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert (run / "DONE").exists()
     assert sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
+    # Every row any of the three jobs logged (a step logged twice is checked twice).
+    differ = [(row["step"], key, row[key], expected[row["step"]][key])
+              for row in read_metrics(run) for key in ("loss", "grad_norm")
+              if row[key] != expected[row["step"]][key]]
+    assert not differ, f"(step, figure, resumed run, uninterrupted run): {differ}"

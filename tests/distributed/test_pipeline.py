@@ -2,9 +2,11 @@
 (PP4 1F1B and Interleaved1F1B x2, PP2 x DP2 with 1F1B, ZBVZeroBubble and DualPipeV, PP2 x TP2
 with and without sequence parallelism) that reproduce one process over 3 optimizer steps of the
 training loop's own `train_step` on the layout's `ParallelPlan` (parallel/apply.py): losses,
-gradient norms, gradients, parameters, QB biases (statistics pooled per stage) and QK-Clip (max
-logits reduced per stage), then the validation loss through the stages' forward-only walk, all
-in float64 within 1e-5; and one step of PP2 x DP2 under bf16 autocast (loss, gradient norm and
+gradient norms, gradients, parameters, QB biases (statistics pooled per stage) and QK-Clip (each
+MLA layer's per-head max logits as the stage's ranks reduce them, the heads clipped, the weights
+after clipping and the stage's logged max logit, every step, equal to the same layer's in one
+process), then the validation loss through the stages' forward-only walk, all in float64 within
+1e-9; and one step of PP2 x DP2 under bf16 autocast (loss, gradient norm and
 validation loss).
 The one-process references are computed once in the test process and read by every rank.
 Collectives run under a 120 s process-group timeout, so a stage waiting on a peer fails instead
@@ -32,19 +34,27 @@ from tests.helpers.tolerances import rel_rms
 from train.config import ParallelConfig, PrecisionConfig, TrainConfig
 from train.flops import head_forward_flops_per_token, layer_forward_flops_per_token
 from train.loop import train_step
-from train.precision.plan import PrecisionPlan
+from train.optim.qk_clip import QKClip
+from train.precision.recipe import PrecisionRecipe
 
-SEQ, STEPS, TOL, TAU = 32, 3, 1e-5, 2.0
+SEQ, STEPS, TOL = 32, 3, 1e-9
 # float64 (precision=fp64): the stages sum the AttnRes block gradients per stage and then across
 # the boundary, tensor parallelism in its own partial sums; in fp32 that order alone put PP2 x TP2
 # 1.06e-5 from one process after 3 steps even with SGD (TP2 x DP2 without the pipeline too), and
-# AdamW amplifies it. In float64 the order costs ~1e-13, so 1e-5 measures the layout.
+# AdamW amplifies it. In float64 the order costs ~1e-12 (measured worst over the 7 layouts:
+# gradients 3.6e-12 and parameters 2.6e-12 under PP2 x TP2, the per-head max logits 1.4e-13, the
+# clipped q_b/kv_b weights 2.7e-13, losses 3.5e-16, QB biases equal), so 1e-9 measures the layout.
+# QK-Clip's tau: k3_tiny's max logits on these batches are 0.038-0.060, so 0.047 clips some heads
+# and not others (the one-process run clips 1, 4 and 3 of the 4 heads in its 3 steps; no head
+# within 0.9% of tau): the layouts must reduce the same max logits and clip the same heads.
+TAU = 0.047
 FP64 = PrecisionConfig(name="fp64")
 # bf16 autocast, one step of PP2 x DP2: the stage outputs come out partly in bf16 and cross in
-# fp32. The summed figures (loss, gradient norm, validation loss) are held to 5e-3 (measured
-# 2e-5); single tensors are not: bf16 rounding flips routing choices and the signs of AdamW's
-# tiny first updates (one process in bf16 is 45% from itself in fp32 in its worst gradient
-# tensor and 43% in its worst parameter; PP2 x DP2 is 18% and 35% from it).
+# fp32. The summed figures (loss, gradient norm, validation loss) are held to 5e-3, under bf16's
+# 7.8e-3 epsilon (measured: loss 3.4e-6, gradient norm 3.1e-4, validation loss 8.4e-5; QK-Clip
+# at TAU clipping in that step); single tensors are not: bf16 rounding flips routing choices and
+# the signs of AdamW's tiny first updates (one process in bf16 is 45% from itself in fp32 in its
+# worst gradient tensor and 43% in its worst parameter; PP2 x DP2 is 18% and 35% from it).
 BF16, BF16_TOL = PrecisionConfig(name="bf16"), 5e-3
 BF16_LAYOUT = ParallelConfig(pipeline=2, data=2)
 BF16_CHECKED = ("loss", "grad_norm", "val_loss_sum")
@@ -91,10 +101,17 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
+def _mla_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """(layer name, GatedMLA) of the model's (this stage's) MLA layers."""
+    return [(n, layer.attn) for n, layer in model.layers.items()
+            if layer.attn in model.mla_layers()]
+
+
 def _reference_steps(model, batches_per_step, precision_cfg=FP64):
     """One process: every micro-batch of the global batch, loss over the global token count."""
-    precision = PrecisionPlan.build(precision_cfg, torch.device("cpu"), model, TAU)
+    precision = PrecisionRecipe.build(precision_cfg, torch.device("cpu"), model)
     opt = _optimizer(model)
+    qk_clip = QKClip(model, TAU).register([opt])  # clips in opt.step()
     record = []
     for batches in batches_per_step:
         tokens = sum(mb.num_loss_tokens for mb in batches)
@@ -107,12 +124,15 @@ def _reference_steps(model, batches_per_step, precision_cfg=FP64):
         fill_missing_gradients(model)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # before clipping
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        logits = {n: mla.max_logit.clone() for n, mla in _mla_layers(model)}  # per head
         opt.step()
-        clip = precision.end_step(model, TAU, True)
+        clip = qk_clip.end_step()
         for moe in model.moe_layers():
             moe.balancer.update()
         opt.zero_grad(set_to_none=True)
-        record.append((loss, norm, grads, clip))
+        clipped = {n: (mla.q_b.weight.detach().clone(), mla.kv_b.weight.detach().clone())
+                   for n, mla in _mla_layers(model)}  # the weights QK-Clip scaled
+        record.append((loss, norm, grads, clip, logits, clipped))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     biases = {n: layer.mlp.balancer.bias.clone() for n, layer in model.layers.items()
               if layer.mlp in model.moe_layers()}
@@ -141,14 +161,15 @@ def _check_layout(parallel: ParallelConfig, reference, base: K3Model,
     cfg = _train_config(parallel, len(batches_per_step[0]), precision_cfg)
     t = Topology.from_config(parallel, 4, base.cfg).initialize("cpu")
     errors = {"loss": 0.0, "grad_norm": 0.0, "grads": 0.0, "params": 0.0,
-              "qb_bias": 0.0, "val_loss_sum": 0.0}
+              "qb_bias": 0.0, "val_loss_sum": 0.0, "max_logit": 0.0, "clipped_heads": 0.0,
+              "clipped_weights": 0.0}
     try:
         dp, dp_rank = t.dp, t.rank_in("dp")
         per_rank = len(batches_per_step[0]) // dp
         model = copy.deepcopy(base)
         shard_stages(model, t, cfg)  # what build_parallel_model does, with the test's optimizer
         assert 0 < len(list(model.parameters())) < len(list(base.parameters()))
-        precision = PrecisionPlan.build(cfg.precision, torch.device("cpu"), model, TAU)
+        precision = PrecisionRecipe.build(cfg.precision, torch.device("cpu"), model)
         plan = parallelize(model, t, cfg)
         assert plan.pipeline is not None and plan.pipeline.model is model
         for moe in model.moe_layers():  # QB statistics pooled over the ranks of this stage
@@ -156,22 +177,58 @@ def _check_layout(parallel: ParallelConfig, reference, base: K3Model,
         opt = _optimizer(model)
         named = dict(model.named_parameters())
         grads: dict[str, torch.Tensor] = {}  # reduced, before clipping
+        mla_names = {id(mla): n for n, mla in _mla_layers(model)}
+        layout_clip = plan.qk_clip_
+        clips: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+        def recording_clip(mla, tau, factors):
+            """The layout's QK-Clip, recording what it clipped by: the max logits it reduced
+            (in place, this rank's heads), their max and the clipped-head count it returns."""
+            top, count = layout_clip(mla, tau, factors)
+            clips[mla_names[id(mla)]] = (mla.max_logit.clone(), top.clone(), count.clone())
+            return top, count
+
+        plan.qk_clip_ = recording_clip  # what QKClip calls in opt.step()
+        QKClip(model, TAU, plan).register([opt])
+        tp, tp_rank = t.tp, t.rank_in("tp")
 
         def keep_grads(m):
             grads.update({n: full(p.grad) for n, p in m.named_parameters()})
 
         for step, batches in enumerate(batches_per_step):
             mine = batches[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+            clips.clear()
             result = train_step(model, [opt], mine, torch.device("cpu"), precision, plan,
                                 cfg.optim, on_gradients=keep_grads)
-            ref_loss, ref_norm, ref_grads, ref_clip = record[step]
+            ref_loss, ref_norm, ref_grads, ref_clip, ref_logits, ref_clipped = record[step]
             errors["loss"] = max(errors["loss"], rel_rms(ref_loss, result.loss))
             errors["grad_norm"] = max(errors["grad_norm"], rel_rms(ref_norm, result.grad_norm))
             errors["grads"] = max(errors["grads"],
                                   max(rel_rms(ref_grads[n], grads[n]) for n in named))
-            if model.mla_layers():  # this stage's max logit: at most the whole model's
-                assert result.clip_row["attn/max_logit"] <= (ref_clip["attn/max_logit"]
-                                                             * (1 + TOL))
+            # QK-Clip of this stage's MLA layers, each against the same layer in one process:
+            # the max logit of every head this rank holds (reduced over the data-parallel
+            # ranks), the heads clipped, the weights after clipping; and the stage's logged max
+            # logit is the max over those heads (one process logs the max over all layers).
+            assert clips.keys() == {n for n, _ in _mla_layers(model)}, sorted(clips)
+            held_tops = []
+            for name, mla in _mla_layers(model):
+                logits, top, count = clips[name]
+                heads = ref_logits[name].numel() // tp  # tensor parallel: consecutive heads
+                ref_heads = ref_logits[name][tp_rank * heads:(tp_rank + 1) * heads]
+                errors["max_logit"] = max(errors["max_logit"], rel_rms(ref_heads, logits),
+                                          rel_rms(ref_heads.max(), top))
+                errors["clipped_heads"] += abs(int(count) - int((ref_heads > TAU).sum()))
+                for ref_w, w in zip(ref_clipped[name], (mla.q_b.weight, mla.kv_b.weight)):
+                    errors["clipped_weights"] = max(errors["clipped_weights"],
+                                                    rel_rms(ref_w, full(w)))
+                held_tops.append(ref_heads.max())
+            if held_tops:
+                errors["max_logit"] = max(errors["max_logit"],
+                                          rel_rms(torch.stack(held_tops).max(),
+                                                  torch.tensor(result.clip_row["attn/max_logit"],
+                                                               dtype=torch.float64)))
+            else:
+                assert "attn/max_logit" not in result.clip_row
         errors["params"] = max(rel_rms(ref_params[n], full(p)) for n, p in named.items())
         errors["qb_bias"] = max(rel_rms(ref_biases[n], layer.mlp.balancer.bias)
                                 for n, layer in model.layers.items()
@@ -233,7 +290,12 @@ def references(tmp_path_factory) -> str:
     the first step under bf16 autocast."""
     base, batches_per_step = _base_and_batches()
     path = tmp_path_factory.mktemp("pipeline_refs") / "refs.pt"
-    torch.save({"fp64": _reference_steps(copy.deepcopy(base), batches_per_step),
+    fp64 = _reference_steps(copy.deepcopy(base), batches_per_step)
+    # QK-Clip really selects: some heads clipped, some left alone (see TAU).
+    clipped = [int((logits > TAU).sum()) for step in fp64[0] for logits in step[4].values()]
+    heads = sum(logits.numel() for step in fp64[0] for logits in step[4].values())
+    assert 0 < sum(clipped) < heads, clipped
+    torch.save({"fp64": fp64,
                 "bf16": _reference_steps(copy.deepcopy(base), batches_per_step[:1], BF16)}, path)
     return str(path)
 

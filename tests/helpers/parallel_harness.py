@@ -64,17 +64,71 @@ class Record:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # before the first step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
     muon: list[str] = field(default_factory=list)  # parameters Muon updates
+    # `states=True`: the checkpoint's logical state (`logical_state`) just after `resume`
+    # loaded it and just before `save` wrote it.
+    loaded_state: dict = field(default_factory=dict)
+    saved_state: dict = field(default_factory=dict)
+
+
+def logical_state(model, optimizers) -> dict:
+    """What train.checkpoint saves and loads: the model's and optimizers' state under their
+    logical (flattened, layout-free) names, tensors as full tensors, merged over the ranks
+    (ZeRO-1 ranks own different optimizer entries, pipeline stages different parameters). Every
+    rank returns the same dict; a name two ranks hold with different values raises."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from train.checkpoint import OPTIONS
+
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
+    mine = {}
+    for prefix, sd in (("model", model_sd), ("optim", optim_sd)):
+        for key in sorted(sd):  # the same order on every rank: full() is a collective
+            value = sd[key]
+            mine[f"{prefix}/{key}"] = full(value) if isinstance(value, torch.Tensor) else value
+    if not dist.is_initialized():
+        return mine
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged: dict = {}
+    for state in every:
+        for key, value in state.items():
+            if key in merged:
+                held = merged[key]
+                same = (torch.equal(held, value) if isinstance(value, torch.Tensor)
+                        else held == value)
+                assert same, f"ranks hold different values of {key}"
+            else:
+                merged[key] = value
+    return merged
+
+
+def state_mismatches(saved: dict, loaded: dict) -> list[str]:
+    """The names whose loaded value is not the saved one, bit for bit (and the names only one
+    side has)."""
+    bad = sorted(f"{key} (missing when loaded)" for key in saved.keys() - loaded.keys())
+    bad += sorted(f"{key} (not saved)" for key in loaded.keys() - saved.keys())
+    for key in sorted(saved.keys() & loaded.keys()):
+        a, b = saved[key], loaded[key]
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            bad.append(key)
+        elif isinstance(a, torch.Tensor):
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+                bad.append(key)
+        elif a != b:
+            bad.append(key)
+    return bad
 
 
 def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int = 1,
               resume: Path | None = None, save: Path | None = None,
-              tensors: bool = True) -> Record:
+              tensors: bool = True, states: bool = False) -> Record:
     """Optimizer steps up to `steps` on this rank's share of each global batch, in
     `micro_batches` accumulated micro-batches (the single-process reference of a data-parallel
     layout takes the ranks' shares one after the other: the same sums, in the same order where
     it can). `resume`: start from the latest checkpoint under that root; `save`: checkpoint
     the last step under that root. `tensors=False` records the losses only (gathering every
-    gradient and parameter is a collective per tensor)."""
+    gradient and parameter is a collective per tensor). `states=True` records the
+    checkpoint's logical state after loading `resume` and before saving `save`."""
     from train.checkpoint import Checkpointer
     from train.loop import build_parallel_model, train_step
 
@@ -95,6 +149,8 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
     if resume is not None:
         ckpt = Checkpointer(resume, keep_last=3, rank=rank, world_size=world)
         start = ckpt.load(ckpt.latest(), model, optimizers, lambda state: None)
+        if states:
+            record.loaded_state = logical_state(model, optimizers)
 
     def keep_grads(m):
         record.grads = {n: full(p.grad) for n, p in m.named_parameters()}
@@ -108,6 +164,8 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
         record.losses.append(float(result.loss))
         record.grad_norms.append(float(result.grad_norm))
     if save is not None:
+        if states:
+            record.saved_state = logical_state(model, optimizers)
         Checkpointer(save, keep_last=3, rank=rank, world_size=world).save(
             steps, model, optimizers, {"loader": {"optimizer_step": steps}})
     if not tensors:
