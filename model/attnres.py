@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .dtypes import upcast
+from .init import ONES, ZEROS, Rule, reset_
 from .norms import rms_norm_reference
 from .ops import dispatch
 from .ops.fused import fusable
@@ -106,8 +107,10 @@ class DepthMix(nn.Module):
         self.eps = eps
 
     def reset_parameters(self) -> None:
-        nn.init.zeros_(self.query)
-        nn.init.ones_(self.norm_weight)
+        reset_(self)
+
+    def init_rules(self) -> dict[str, Rule]:
+        return {"query": ZEROS, "norm_weight": ONES}
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         return depth_mix(sources, self.query, self.norm_weight, self.eps)

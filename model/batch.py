@@ -38,11 +38,13 @@ class VisionInput:
 class K3Batch:
     tokens: torch.Tensor  # [B, T] int64
     labels: torch.Tensor  # [B, T] int64, -100 = no loss
-    cu_seqlens: torch.Tensor  # [N + 1] int64 over the flattened B*T tokens
+    # [N + 1] int64 over the flattened B*T tokens; None: one document per row
+    cu_seqlens: torch.Tensor | None
     vision: VisionInput | None = None
 
     def to(self, device) -> K3Batch:
-        return K3Batch(self.tokens.to(device), self.labels.to(device), self.cu_seqlens.to(device),
+        return K3Batch(self.tokens.to(device), self.labels.to(device),
+                       None if self.cu_seqlens is None else self.cu_seqlens.to(device),
                        None if self.vision is None else self.vision.to(device))
 
     @property

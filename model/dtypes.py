@@ -4,6 +4,8 @@ tensor's own dtype when it is wider. A float64 model (the `fp64` precision of th
 tests) so computes in float64 everywhere, and differently ordered sums of two layouts differ by
 float64 round-off, not by fp32 round-off amplified through training."""
 
+import contextlib
+
 import torch
 
 
@@ -13,6 +15,14 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for dtype in dtypes:
         out = torch.promote_types(out, dtype)
     return out
+
+
+def no_autocast(device_type: str):
+    """A region where autocast does not cast (an fp32 island inside a bf16 autocast region);
+    nothing on devices without autocast (meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .attnres import BlockState, DepthMix
 from .batch import K3Batch, segment_ids
 from .config import K3Config
 from .head import IGNORE_INDEX, LMHead
+from .init import Locate, Normal, Rule, fill_, parameter_key, random_seed
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .mlp import SiTUGLUMLP
@@ -76,15 +77,17 @@ class K3Model(nn.Module):
 
     `layers` is a ModuleDict keyed by the layer index, so a pipeline stage that keeps some of
     them keeps their parameter names. Every parameter and buffer gets its value from
-    `init_weights()`: a model built on the meta device, materialised with `to_empty` and
-    initialised equals an eagerly built one with the same seed.
+    `init_weights(seed)`, each element a function of the seed, the parameter's name and its
+    index (model/init.py): a model built on the meta device, materialised with `to_empty` and
+    initialised equals an eagerly built one with the same seed, and so does any part of it a
+    parallel layout keeps on one rank. `seed` None: drawn from torch's global generator.
     """
 
-    def __init__(self, cfg: K3Config):
+    def __init__(self, cfg: K3Config, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
         # The constructors' own inits are overwritten by init_weights: let them draw from a
-        # forked RNG, so that init_weights alone decides the values (eager build == meta build).
+        # forked RNG, so that the global generator moves by init_weights' seed alone.
         with _forked_rng():
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i)
@@ -92,25 +95,41 @@ class K3Model(nn.Module):
             self.head = LMHead(cfg)
             self.vision = (MoonViT(cfg.vision, cfg.hidden_size, cfg.norm_eps)
                            if cfg.vision is not None else None)
-        self.init_weights()
+        self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, init_std) for the language model's Linear and Embedding weights; every
-        other module's `reset_parameters` for its own parameters and buffers (norms, gates,
-        convolutions, AttnRes queries, experts, router, Quantile Balancing state); the vision
-        tower's own `init_weights`. Draws in module order, so the same seed gives the same
-        model on any device."""
-        vision = set(self.vision.modules()) if self.vision is not None else set()
-        for module in self.modules():
-            if module is self or module in vision:
-                continue
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=self.cfg.init_std)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        if self.vision is not None:
-            self.vision.init_weights()
+    def init_weights(self, seed: int | None = None, locate: Locate | None = None) -> int:
+        """Every parameter from its rule (`init_rule`), zero Quantile Balancing state. `locate`
+        (parallel layouts) says which part of each parameter this process holds: `locate(name,
+        param)` -> (the local tensor to write, the logical shape, the global index of its
+        elements along each dimension, or None for all of them). Returns the seed (drawn from
+        torch's global generator when None)."""
+        seed = random_seed() if seed is None else seed
+        for name, param in self.named_parameters():
+            local, shape, index = (locate(name, param) if locate is not None
+                                   else (param.data, param.shape, None))
+            fill_(local, self.init_rule(name), parameter_key(seed, name), shape, index)
+        for moe in self.moe_layers():
+            if moe.balancer is not None:
+                moe.balancer.reset_parameters()
+        return seed
+
+    def init_rule(self, name: str) -> Rule:
+        """What parameter `name` starts as: the vision tower's rule for its own, a module's
+        `init_rules()` where it declares them (norms, gates, convolutions, AttnRes queries,
+        experts, router), Normal(0, init_std) for the language model's linear and embedding
+        weights."""
+        if name.startswith("vision."):
+            return self.vision.init_rule(name[len("vision."):])
+        module_name, _, leaf = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if hasattr(module, "init_rules"):
+            return module.init_rules()[leaf]
+        # nn.Linear, nn.Embedding, or a linear another backend put in its place (TE's).
+        linear = isinstance(module, nn.Embedding) or hasattr(module, "in_features")
+        if linear and leaf == "weight":
+            return Normal(self.cfg.init_std)
+        raise ValueError(f"no initial-value rule for parameter {name}")
 
     def embed_inputs(self, batch: K3Batch) -> torch.Tensor:
         """Token embeddings with the projected vision tokens written over the placeholders."""

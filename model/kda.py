@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import K3Config
 from .dtypes import upcast
+from .init import ONES, ZEROS, Mapped, Rule, reset_
 from .norms import rms_norm
 from .ops import dispatch
 from .ops.kda import kda_chunk
@@ -56,6 +57,12 @@ def kda_inputs(q: torch.Tensor, k: torch.Tensor, beta_logits: torch.Tensor, z: t
     return kda_inputs_reference(q, k, beta_logits, z, a_log, kind, lower_bound)
 
 
+def _dt_bias(u: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
+    """The inverse softplus of dt = exp(uniform(log dt_min, log dt_max)), from a uniform u."""
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min(1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: K3Config):
         super().__init__()
@@ -88,15 +95,13 @@ class KimiDeltaAttention(nn.Module):
         self.state_exchange = None
         self.reset_parameters()
 
-    def reset_parameters(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
+    def reset_parameters(self) -> None:
+        reset_(self)
+
+    def init_rules(self) -> dict[str, Rule]:
         """A_h = 0, head norm weight 1, and b_alpha dt-style (as fla's KimiDeltaAttention):
-        softplus(b) log-uniform in [dt_min, dt_max]. The projections are plain Linears."""
-        with torch.no_grad():
-            self.a_log.zero_()
-            self.out_norm_weight.fill_(1.0)
-            dt = torch.exp(torch.rand_like(self.decay_bias) * (math.log(dt_max) - math.log(dt_min))
-                           + math.log(dt_min)).clamp_min(1e-4)
-            self.decay_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        softplus(b) log-uniform in [1e-3, 0.1]. The projections are plain Linears."""
+        return {"a_log": ZEROS, "out_norm_weight": ONES, "decay_bias": Mapped(_dt_bias)}
 
     # The chunk form, replaceable from outside: compile_sublayers (train/) keeps it out of the
     # torch.compile graphs. Its torch path loops in Python over blocks and chunks, which dynamo

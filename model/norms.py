@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from .dtypes import upcast
+from .init import ONES, Rule, reset_
 from .ops import dispatch
 from .ops.fused import fusable
 
@@ -80,7 +81,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        reset_(self)
+
+    def init_rules(self) -> dict[str, Rule]:
+        return {"weight": ONES}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

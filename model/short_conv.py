@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .init import Rule, Uniform, reset_
 from .ops import dispatch
 from .ops.fused import fusable
 
@@ -126,8 +127,11 @@ class ShortConv(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        reset_(self)
+
+    def init_rules(self) -> dict[str, Rule]:
         bound = 1.0 / math.sqrt(self.weight.shape[-1])  # nn.Conv1d's default, depthwise kernel
-        nn.init.uniform_(self.weight, -bound, bound)
+        return {"weight": Uniform(-bound, bound)}
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         if self.halo is None:

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from model.flops import head_forward_flops_per_token, layer_forward_flops_per_token
+from model.init import LocalPart
 from model.k3 import K3Model
 from model.mla import GatedMLA
 from model.ops.fused import enable_fused_kernels
@@ -49,9 +50,11 @@ from .expert_parallel import (
     allreduce_expert_parallel_gradients,
     apply_expert_parallel,
     clip_grad_norm_expert_parallel,
+    is_expert_parameter,
     mark_expert_parameters,
 )
 from .grad_norm import scale_grads_, squared_grad_norm
+from .local_parts import local_part
 from .muon_exchange import DTensorExchange, LocalExchange, MatrixExchange
 from .tensor_parallel import apply_tensor_parallel, loss_context, reduce_partial_gradients
 
@@ -98,6 +101,23 @@ class ParallelPlan:
     def loss_context(self):
         """Wraps forward and backward (vocabulary-parallel cross entropy)."""
         return loss_context(self.tp)
+
+    def materialize(self, device: torch.device, seed: int) -> None:
+        """Storage on `device` for what this rank holds of a model built on meta (to_empty),
+        initialised as the single-process model built with `seed` is (K3Model.init_weights)."""
+        self.model.to_empty(device=device)
+        if self.expert_parallel:  # to_empty made new parameters: tag the experts again
+            mark_expert_parameters(self.model)
+        self.model.init_weights(seed, self.locate)
+
+    def locate(self, name: str, param: torch.Tensor) -> LocalPart:
+        """The part of logical parameter `name` this rank holds, for K3Model.init_weights: its
+        local shard (DTensor) and, under expert parallelism, where its home experts sit among
+        all the experts."""
+        if self.expert_parallel and is_expert_parameter(param):
+            home = param.shape[0]  # this rank's experts (FSDP2's DTensor: the whole home stack)
+            return local_part(param, self.topology.rank_in("ep") * home, home * self.topology.ep)
+        return local_part(param)
 
     def owns(self, name: str) -> bool:
         """Whether this rank's optimizer updates (and keeps state for) parameter `name`."""
@@ -186,7 +206,7 @@ class ParallelPlan:
 
     def after_optimizer_step(self) -> None:
         if self.zero is not None:
-            self.zero.broadcast_updates()
+            self.zero.broadcast_updates(self.model.named_parameters())
 
     @torch.no_grad()
     def qk_clip_(self, mla: GatedMLA, tau: float, factors: Callable
@@ -248,14 +268,13 @@ def shard_stages(model: K3Model, topology, cfg) -> None:
                                         topology.virtual_stages, topology.pipeline_schedule))
 
 
-def _pipeline_step(model: K3Model, topology, cfg, mesh) -> PipelineStep:
+def _pipeline_step(model: K3Model, topology, cfg, mesh, device: torch.device) -> PipelineStep:
     from .pipeline import PipelineStep  # see shard_stages
 
     micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * topology.dp)
     activations = None
     if topology.tp > 1:
         activations = (mesh["tp"], Shard(1) if topology.sequence_parallel else Replicate())
-    device = next(model.parameters()).device
     return PipelineStep(model, *_stage_costs(cfg), topology.group("pp"),
                         topology.pipeline_schedule, topology.virtual_stages, micro_batches,
                         (cfg.stage.micro_batch_size, cfg.stage.seq_len), device, activations)
@@ -271,11 +290,14 @@ def _data_parallel_dims(topology) -> tuple[str, ...]:
     return ("dp_replicate", "dp_shard_cp" if topology.cp > 1 else "dp_shard")
 
 
-def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
-                ) -> ParallelPlan:
+def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
+                device: torch.device | None = None) -> ParallelPlan:
     """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
     one process) to `model` in place, with activation checkpointing and compile from `cfg`
-    (a TrainConfig)."""
+    (a TrainConfig). `model` may be on the meta device (then `device` is where it will be
+    materialised: the pipeline's boundary buffers are made there)."""
+    if device is None:
+        device = next(model.parameters()).device
     if topology is not None and topology.etp > 1:
         raise NotImplementedError("expert-tensor parallelism plugs in here; it is a separate "
                                   "plan not applied to k3-train yet")
@@ -300,7 +322,7 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext
         compile_sublayers(model)
     enable_fused_kernels(cfg.fused_kernels)
     if topology is not None and topology.pp > 1:
-        plan.pipeline = _pipeline_step(model, topology, cfg, mesh)
+        plan.pipeline = _pipeline_step(model, topology, cfg, mesh, device)
     # Expert parallelism with data_shard=none reduces its gradients by hand (finish_gradients).
     if (mesh is not None and topology.dp * topology.cp > 1
             and (not plan.expert_parallel or topology.data_shard == "full")):

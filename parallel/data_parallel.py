@@ -117,18 +117,20 @@ class ZeroOneOwnership:
             self.owner[name] = rank
             load[rank] += p.numel()
         self.load = load
-        self.params = dict(named_params)
 
     def owns(self, name: str) -> bool:
         return self.owner[name] == self.rank
 
     @torch.no_grad()
-    def broadcast_updates(self) -> None:
+    def broadcast_updates(self, named_params) -> None:
         """Every parameter from its owner to the other ranks of `group` (one HSDP replica's
-        shard ranks, or every data-parallel rank)."""
+        shard ranks, or every data-parallel rank). `named_params`: the model's, as they are now
+        (materialising a model built on meta replaces its parameter objects)."""
         if self.size == 1:
             return
-        for name, p in self.params.items():
+        for name, p in named_params:
+            if name not in self.owner:
+                continue
             src = dist.get_global_rank(self.group, self.owner[name])
             dist.broadcast(_local(p), src=src, group=self.group)
 

@@ -12,8 +12,8 @@ cannot send those, and a peer that receives one hangs): the running partial sum 
 the AttnRes blocks completed so far, the embedding among them. Their number is fixed by the
 layer indices, so every boundary has static shapes. The batch's side inputs (tokens, labels,
 cu_seqlens, vision) are not sent: every stage reads its own copy of the micro-batches
-(`PipelineStep.step` gets them on every pipeline rank) through the micro-batch index, which the
-schedule chunks from a keyword argument and hands to every stage.
+(`PipelineStep.step` gets them on every pipeline rank) by the index of the micro-batch each
+forward runs, which the schedule's stages hand to their module (`_Stage`).
 
 Collectives stay outside the schedule: the global token count is summed before it (the last
 stage divides each micro-batch's loss by it), and gradient norms, QB statistics and max logits
@@ -132,11 +132,12 @@ class StageModule(nn.Module):
         self.head = model.head if last else None
         self._model = (model,)  # not a submodule: its parameters are the union of the stages'
         self.micro_batches: list[K3Batch] = []
+        self.micro_batch = 0  # the index of the micro-batch the next forward runs (_Stage)
         self.autocast = contextlib.nullcontext  # the forward's precision region, set per step
 
-    def forward(self, *inputs: torch.Tensor, mb: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor):
         with self.autocast():
-            return self._forward(inputs, self.micro_batches[int(mb)])  # mb: a CPU index tensor
+            return self._forward(inputs, self.micro_batches[self.micro_batch])
 
     def _forward(self, inputs: tuple[torch.Tensor, ...], batch: K3Batch):
         if self.first:
@@ -157,6 +158,16 @@ class StageModule(nn.Module):
             return x
         mesh, placement = self.activations
         return DTensor.from_local(x, mesh, [placement])
+
+
+class _Stage(PipelineStage):
+    """torch's PipelineStage telling its StageModule which micro-batch each forward runs (the
+    schedule's chunk id), so that the batch's side inputs need no index tensor (whose value a
+    stage would read on the host)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self.submod.micro_batch = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +225,7 @@ class PipelineStep:
         # Static boundary shapes: no metadata-inference forward, which would run the layers on
         # uninitialised tensors and feed them to the QB histograms and the max-logit records.
         boundaries = {s: self._boundary(s, micro_batch, device) for s in self.ids}
-        self.stages = [PipelineStage(m, s, num_stages, device, *boundaries[s], group=pp_group)
+        self.stages = [_Stage(m, s, num_stages, device, *boundaries[s], group=pp_group)
                        for m, s in zip(self.modules, self.ids, strict=True)]
         self._inputs = {s: inputs for s, (inputs, _) in boundaries.items()}
         self._holder = {s: dist.get_global_rank(pp_group, r) for r in range(pp)
@@ -257,12 +268,12 @@ class PipelineStep:
         self._global_tokens = global_tokens.reshape(()).clamp_min(1.0)
         for m in self.modules:
             m.micro_batches, m.autocast = micro_batches, autocast
-        index = torch.arange(len(micro_batches)).view(-1, 1)
         args = (torch.cat([mb.tokens for mb in micro_batches]),) if self.has_first else ()
         losses: list[torch.Tensor] = []
         try:
             # The last stage needs a target to chunk (its loss comes from the stage's labels).
-            self.schedule.step(*args, mb=index, target=index, return_outputs=False,
+            target = torch.cat([mb.labels for mb in micro_batches]) if self.has_last else None
+            self.schedule.step(*args, target=target, return_outputs=False,
                                losses=losses if self.has_last else None)
         finally:
             for m in self.modules:
@@ -289,7 +300,9 @@ class PipelineStep:
                 for s in range(last + 1):
                     nxt = self._holder.get(s + 1)
                     if self._holder[s] == me:
-                        out = self.modules[self.ids.index(s)](*inputs, mb=torch.tensor(i))
+                        module = self.modules[self.ids.index(s)]
+                        module.micro_batch = i
+                        out = module(*inputs)
                         if s == last:
                             total += out.to(self._loss_dtype)
                         elif nxt == me:

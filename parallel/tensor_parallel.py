@@ -72,7 +72,9 @@ def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         placement = placements.get(name, Replicate())
-        dt = nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
+        # Every rank holds the same values (or none yet, on meta): each takes its own part,
+        # no scatter from a source rank.
+        dt = nn.Parameter(distribute_tensor(param.data, mesh, [placement], src_data_rank=None),
                           requires_grad=param.requires_grad)
         owner.register_parameter(leaf, dt)
         out.append((name, dt))

@@ -115,6 +115,15 @@ class SlurmConfig:
 
 
 @dataclass
+class DryRunConfig:
+    """`dry_run.world_size=N dry_run.rank=R`: one optimizer step of rank R of an N-rank job on
+    fake tensors and torch's fake process group (train/dry_run.py); 0: train for real."""
+
+    world_size: int = 0
+    rank: int = 0
+
+
+@dataclass
 class TrainConfig:
     model: K3Config = field(default_factory=k3_tiny)
     data: DataConfig = field(default_factory=DataConfig)
@@ -126,6 +135,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     run_dir: str = "outputs/run"
     steps: int = 150
     seed: int = 1234
@@ -189,14 +199,18 @@ def _micro_batch_hint(stage, dp: int, micro_batches: int) -> str:
     return f"raise stage.global_batch_size to a multiple of {least}"
 
 
-def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
-    """Checks everything that can be checked before starting processes; raises ConfigError."""
+def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
+                          data: bool = True) -> TrainConfig:
+    """Checks everything that can be checked before starting processes; raises ConfigError.
+    `data=False`: not the data config and its files (a dry run reads no dataset)."""
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = (cfg.dry_run.world_size if cfg.dry_run.world_size > 0
+                      else int(os.environ.get("WORLD_SIZE", "1")))
     cfg.model.validate("model")
-    cfg.data.validate("data")
-    if not is_prepared(cfg.data):  # the run will read the raw sources first
-        cfg.data.check_sources_exist("data")
+    if data:
+        cfg.data.validate("data")
+        if not is_prepared(cfg.data):  # the run will read the raw sources first
+            cfg.data.check_sources_exist("data")
     cfg.stage.validate("stage")
     if cfg.steps <= 0:
         _fail("steps", cfg.steps, "must be > 0")
@@ -296,6 +310,11 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None) -> Tr
               "is no held-out split to evaluate on)")
     if cfg.max_nonfinite_in_a_row <= 0:
         _fail("max_nonfinite_in_a_row", cfg.max_nonfinite_in_a_row, "must be > 0")
+    if cfg.dry_run.world_size < 0 or not 0 <= cfg.dry_run.rank < max(cfg.dry_run.world_size, 1):
+        _fail("dry_run.rank", cfg.dry_run.rank,
+              f"must be in [0, dry_run.world_size={cfg.dry_run.world_size}) (world_size 0: no "
+              "dry run)")
     check_no_secrets(cfg)
-    check_model_matches_data(cfg)
+    if data:
+        check_model_matches_data(cfg)
     return cfg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import torch
 
 from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
+from model.head import IGNORE_INDEX
 from model.k3 import K3Model
 from model.moe import update_balancers
 from model.ops import cpu as cpu_kernels
@@ -101,8 +103,11 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
                      precision: PrecisionRecipe, parallel: ParallelPlan) -> torch.Tensor:
     """Accumulates gradients of the global-token-mean loss; returns the step's mean loss."""
     micro_batches = [parallel.local_batch(mb) for mb in micro_batches]
-    local_tokens = sum(mb.num_loss_tokens for mb in micro_batches)
-    global_tokens = parallel.sum_loss_tokens(torch.tensor([float(local_tokens)], device=device))
+    # A tensor, not a host number: the count needs no sync (and a dry run's fake tensors have
+    # no values to read).
+    local_tokens = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in micro_batches])
+    global_tokens = parallel.sum_loss_tokens(local_tokens.sum().reshape(1).to(device,
+                                                                              torch.float32))
     if parallel.pipeline is not None:  # the schedule runs every micro-batch on every stage
         with parallel.loss_context():
             loss = parallel.pipeline.step([mb.to(device) for mb in micro_batches], global_tokens,
@@ -129,17 +134,20 @@ class StepResult:
 
 def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
                micro_batches: list[K3Batch], device: torch.device, precision: PrecisionRecipe,
-               parallel: ParallelPlan, optim_cfg, on_gradients=None) -> StepResult:
+               parallel: ParallelPlan, optim_cfg, on_gradients=None,
+               check_finite: bool = True) -> StepResult:
     """One optimizer step on the micro-batches of this rank; the same code for every layout.
     `on_gradients(model)` sees the reduced gradients before clipping (tests read them). QK-Clip
-    runs as the optimizers' post-step hook (QKClip, registered by build_parallel_model)."""
+    runs as the optimizers' post-step hook (QKClip, registered by build_parallel_model).
+    `check_finite=False` steps without reading the loss and norm on the host (the dry run's
+    fake tensors have no values)."""
     loss = forward_backward(model, micro_batches, device, precision, parallel)
     parallel.finish_gradients()
     if on_gradients is not None:
         on_gradients(model)
     max_norm = optim_cfg.clip_grad_norm if optim_cfg.clip_grad_norm > 0 else math.inf
     grad_norm = parallel.clip_grad_norm_(max_norm)
-    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm)) if check_finite else True
     if finite:
         for opt in optimizers:  # in order: the last one's post-step hook runs QK-Clip
             opt.step()
@@ -156,18 +164,26 @@ def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
     return StepResult(loss, grad_norm, finite, clip_row)
 
 
-def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: torch.device
+def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: torch.device,
+                         storage=contextlib.nullcontext
                          ) -> tuple[K3Model, PrecisionRecipe, ParallelPlan,
                                     list[torch.optim.Optimizer]]:
     """Model, precision, layout and optimizers, in that order (the optimizers see the sharded
-    parameters), and QK-Clip on the optimizers (optim.qk_clip_tau > 0)."""
+    parameters), and QK-Clip on the optimizers (optim.qk_clip_tau > 0). The model is built on
+    the meta device and the layout applied there; then only what this rank holds is
+    materialised on `device` and initialised, each part equal to that part of the
+    single-process model with the same seed (`cfg.seed`). `storage()`: the context the
+    parameters are created in (the dry run's fake tensors)."""
     if device.type == "cpu":  # on every rank: the model's fp32 CPU ops take the C kernels
         cpu_kernels.install()
-    model = K3Model(cfg.model).to(device)
+    with torch.device("meta"):
+        model = K3Model(cfg.model, seed=cfg.seed)
     shard_stages(model, topology, cfg)
     shard_experts(model, topology, cfg)
     precision = PrecisionRecipe.build(cfg.precision, device, model)
-    parallel = parallelize(model, topology, cfg, autocast=precision.autocast)
+    parallel = parallelize(model, topology, cfg, autocast=precision.autocast, device=device)
+    with storage():
+        parallel.materialize(device, cfg.seed)
     optimizers = build_optimizer(model, cfg.optim, owns=parallel.owns,
                                  exchange=parallel.exchange)
     if cfg.optim.qk_clip_tau > 0:
@@ -180,6 +196,10 @@ def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: to
 
 def train(cfg: TrainConfig) -> int:
     """Runs (or resumes) the configured training; returns the process exit code."""
+    if cfg.dry_run.world_size > 0:
+        from .dry_run import run_dry
+
+        return run_dry(cfg)
     host_memory = keep_freed_host_memory()
     env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     validate_train_config(cfg, env.world_size)
@@ -249,7 +269,7 @@ def train(cfg: TrainConfig) -> int:
                                 env.device, precision, parallel, cfg.optim)
             loss, grad_norm, finite = result.loss, result.grad_norm, result.finite
             nonfinite_in_a_row = 0 if finite else nonfinite_in_a_row + 1
-            clip_row = result.clip_row
+            clip_row = {key: value.item() for key, value in result.clip_row.items()}
             step += 1
             elapsed = time.perf_counter() - t0
             evaluated = validator is not None and Validator.due(cfg, step)

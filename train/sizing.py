@@ -40,11 +40,14 @@ from .saved_activations import checkpointed_inputs_bytes, traced_head_bytes, tra
 GiB = 2**30
 
 
-def plan_topology(cfg) -> Topology:
+def plan_topology(cfg, world_size: int | None = None) -> Topology:
     """The validated layout (parallel/topology.py) of the world these sizes make, data x tensor x
-    context x pipeline ranks. k3-plan has no world of its own: data=-1 takes the fewest data
-    ranks that hold whole expert groups (expert*expert_tensor dividing data*context*tensor)."""
+    context x pipeline ranks. k3-plan has no world of its own (unless `world_size` is given, as
+    the dry run does): data=-1 takes the fewest data ranks that hold whole expert groups
+    (expert*expert_tensor dividing data*context*tensor)."""
     p = cfg.parallel
+    if world_size is not None:
+        return Topology.from_config(p, world_size, cfg.model)
     data = p.data
     if data == -1:
         span = max(p.expert * p.expert_tensor, 1)
@@ -82,8 +85,11 @@ def saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layer
 _PROBE_TRACES: dict[tuple, list[tuple[int, int]]] = {}  # K3Config is unhashable: keyed by its repr
 
 
+PROBES = (1024, 2048, 4096)  # the lengths the fit traces
+
+
 def fitted_saved_after_forward(cfg: K3Config, seq_len: int, micro_batch: int, num_layers: int,
-                               checkpointing: bool, probes=(1024, 2048, 4096)) -> tuple[int, int]:
+                               checkpointing: bool, probes=PROBES) -> tuple[int, int]:
     """`saved_after_forward` at any length from traces at three short ones: every saved
     tensor's size is a polynomial of degree <= 2 in the tokens (linear for projections, chunk
     states and the blockwise attention's statistics; quadratic only for a dense [T, T] mask or
@@ -117,8 +123,10 @@ def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Topo
     `loss_chunk_tokens=0` the fp32 logits are counted) for each of up to `pipeline` micro-batches
     that 1F1B keeps in flight on the first stage, plus one layer's recomputation with activation
     checkpointing. Tensor parallelism splits heads, and sequence parallelism the rest, across
-    its ranks."""
+    its ranks. Beyond the fit's longest probe the fit is used whatever `fitted` says: it equals
+    the trace (tests/unit/train/test_plan.py) at a fraction of its cost."""
     layers_per_stage = -(-cfg.num_layers // layout.pp)
+    fitted = fitted or seq_len // layout.cp > max(PROBES)
     saved_fn = fitted_saved_after_forward if fitted else saved_after_forward
     saved, largest_layer = saved_fn(cfg, seq_len // layout.cp, micro_batch, layers_per_stage,
                                     checkpointing)
@@ -210,11 +218,11 @@ def long_context_memory(cfg: K3Config, counts, layout: Topology, optimizer: str,
     return rows
 
 
-def plan(cfg, long_context: bool = False) -> dict:
+def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict:
     with torch.device("meta"):
         model = K3Model(cfg.model)
     counts = count_parameters(model)
-    layout = plan_topology(cfg)
+    layout = plan_topology(cfg, world_size)
     seq = cfg.stage.seq_len
     return {
         "model": cfg.model.name,

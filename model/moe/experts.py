@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.activations import situ_glu_halves
+from model.init import Normal, Rule, reset_
 
 FakeQuant = Callable[[torch.Tensor], torch.Tensor]
 GroupWeights = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -63,8 +64,10 @@ class GroupedExperts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for weight in (self.w1, self.w2):
-            nn.init.normal_(weight, mean=0.0, std=self.init_std)
+        reset_(self)
+
+    def init_rules(self) -> dict[str, Rule]:
+        return {"w1": Normal(self.init_std), "w2": Normal(self.init_std)}
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         w1, w2 = self.w1, self.w2

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.dtypes import no_autocast
+from model.init import Normal, Rule, reset_
+
 
 @dataclass
 class Routing:
@@ -49,9 +52,14 @@ class SigmoidRouter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        reset_(self)
+
+    def init_rules(self) -> dict[str, Rule]:
+        return {"weight": Normal(self.init_std)}
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Routing:
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32, or wider for fp64 models
-        scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
+        # fp32 under bf16 autocast too: a near-tie decided in bf16 routes a token elsewhere.
+        with no_autocast(x.device.type):
+            scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
         return route(scores, bias, self.top_k, self.router_scale)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from model.config import VisionConfig
+from model.init import ONES, Normal, Rule, fill_, parameter_key, random_seed
 from model.norms import RMSNorm
 from model.vision.encoder import MoonViTEncoder
 from model.vision.layout import build_layout
@@ -32,15 +33,24 @@ class MoonViT(nn.Module):
                                          cfg.projector_hidden, lm_hidden, norm_eps)
         self.init_weights()
 
-    def init_weights(self) -> None:
-        """Normal(0, init_std) for linears and the position/time tables, ones for norms."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=self.init_std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-        nn.init.normal_(self.encoder.pos_table, std=self.init_std)
-        nn.init.normal_(self.encoder.time_table, std=self.init_std)
+    def init_rule(self, name: str) -> Rule:
+        """Normal(0, init_std) for linears and the position/time tables, ones for norms; `name`
+        relative to this module."""
+        module_name, _, leaf = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if isinstance(module, RMSNorm):
+            return ONES
+        if isinstance(module, nn.Linear) or name in ("encoder.pos_table", "encoder.time_table"):
+            return Normal(self.init_std)
+        raise ValueError(f"no initial-value rule for vision parameter {name}")
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Every parameter from `init_rule` (model/init.py); nothing on the meta device."""
+        if all(p.is_meta for p in self.parameters()):
+            return
+        seed = random_seed() if seed is None else seed
+        for name, param in self.named_parameters():
+            fill_(param.data, self.init_rule(name), parameter_key(seed, name), param.shape)
 
     def forward(self, patches: torch.Tensor,
                 grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:

@@ -225,8 +225,7 @@ def _check_layout(parallel: ParallelConfig, reference, base: K3Model,
             if held_tops:
                 errors["max_logit"] = max(errors["max_logit"],
                                           rel_rms(torch.stack(held_tops).max(),
-                                                  torch.tensor(result.clip_row["attn/max_logit"],
-                                                               dtype=torch.float64)))
+                                                  result.clip_row["attn/max_logit"].double()))
             else:
                 assert "attn/max_logit" not in result.clip_row
         errors["params"] = max(rel_rms(ref_params[n], full(p)) for n, p in named.items())

@@ -126,9 +126,10 @@ class QKClip:
             self._clipped.append(count)
             mla.max_logit = None
 
-    def end_step(self) -> dict[str, float]:
+    def end_step(self) -> dict[str, torch.Tensor]:
         """The step's max logit over this rank's MLA layers and, when the optimizers stepped,
-        its clipped heads; resets the step's records."""
+        its clipped heads, as 0-d device tensors (read when the row is logged, not every step);
+        resets the step's records."""
         max_logits, clipped = self._max_logits, self._clipped
         self._max_logits, self._clipped = [], []
         for mla in self.model.mla_layers():
@@ -137,9 +138,9 @@ class QKClip:
                 mla.max_logit = None
         if not max_logits:
             return {}
-        row = {"attn/max_logit": float(torch.stack(max_logits).max())}
+        row = {"attn/max_logit": torch.stack(max_logits).max()}
         if clipped:
-            row["attn/clipped_heads"] = int(torch.stack(clipped).sum())
+            row["attn/clipped_heads"] = torch.stack(clipped).sum()
         return row
 
 

@@ -15,11 +15,11 @@ Layout (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K], beta [B, T, H
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
+from model.dtypes import no_autocast
 from model.ops import dispatch
 
 from .chunk import kda_chunk_torch
@@ -86,15 +86,9 @@ def kda_chunk(
             return out
     # An fp32 island whatever the autocast region around it: the state pass writes with out=,
     # which autocast does not cast, so its operands must not come out of autocast's matmuls.
-    with _no_autocast(q.device.type):
+    with no_autocast(q.device.type):
         return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
                                cu_seqlens, chunk_size, safe_bound, rows)
-
-
-def _no_autocast(device_type: str):
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _safe_bound(lower_bound: float | None) -> float | None:

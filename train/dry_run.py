@@ -1,0 +1,199 @@
+"""`k3-train ... dry_run.world_size=N dry_run.rank=R`: one whole optimizer step of rank R of an
+N-rank job, in one process, with no real storage: torch's fake process group at world N,
+`FakeTensorMode` for every parameter, activation and optimizer state, and the real topology,
+parallel plans, MoonEP dispatch and optimizers. What it measures goes to
+`<run_dir>/dry_run.json`:
+
+    world_size, rank, layout          the job and the validated layout
+    parameters_on_rank                elements of the parameters this rank holds (its shards)
+    peak_memory_bytes                 the step's peak of tensor memory on the device, in
+                                      the CUDA allocator's 512-byte blocks (step_probes.py)
+    memory_bytes                      what the peak is made of at known points: parameters
+                                      and buffers, the gradients once reduced, the optimizer
+                                      state after the step
+    collective_bytes                  {op: bytes per step}: the buffer of every collective
+                                      this rank calls (all_reduce's and broadcast's tensor,
+                                      all_gather's output, reduce_scatter's and all_to_all's
+                                      input, send's and recv's tensor); collective_calls: how
+                                      many calls
+    planned_memory_bytes              k3-plan's memory per GPU for the same layout
+
+The step runs on the CPU's fake tensors in the dtypes the target device would use: a run meant
+for GPUs (device auto or cuda) computes under bf16 autocast as precision=auto does there
+(torch's CUDA autocast needs a CUDA build, so the fake tensors live on the CPU). The batches
+are synthetic, of the stage's shape (rows, sequence length, one document per row); no dataset
+is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model.batch import K3Batch, cu_seqlens_from_lengths
+from model.ops import dispatch
+from parallel.topology import Topology
+
+from .config import TrainConfig, validate_train_config
+from .step_probes import CollectiveBytes, StepMemory
+
+log = logging.getLogger("k3.train")
+
+@contextlib.contextmanager
+def _real_strided_shard_offsets():
+    """torch's _StridedShard works out which rows a rank holds with a small host tensor
+    (an arange it splits, then reads with .tolist()); under FakeTensorMode that tensor would be
+    fake and unreadable. Its inputs and outputs are integers, so the dry run computes it for
+    real."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    original = _StridedShard.local_shard_size_and_offset
+
+    @functools.wraps(original)
+    def on_real_tensors(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = on_real_tensors
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original
+
+
+def synthetic_micro_batches(cfg: TrainConfig, topology: Topology | None) -> list[K3Batch]:
+    """This rank's micro-batches of one step: the stage's rows and length, one document per
+    row, every position a loss token (the most the loss and the MoE see). Without context
+    parallelism the rows carry no document boundaries (cu_seqlens None, which means one
+    document per row): attention then runs as one fused operator, as flash attention does on a
+    GPU, not as the CPU's tiles (whose Python loop would cost the dry run minutes and stand for
+    no GPU kernel)."""
+    dp, cp = (1, 1) if topology is None else (topology.dp, topology.cp)
+    count = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * dp)
+    rows, seq = cfg.stage.micro_batch_size, cfg.stage.seq_len
+    generator = torch.Generator().manual_seed(cfg.seed)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(4, cfg.model.vocab_size, (rows, seq), generator=generator)
+        bounds = cu_seqlens_from_lengths([[seq]] * rows, seq) if cp > 1 else None
+        out.append(K3Batch(tokens, tokens.roll(-1, 1), bounds))
+    return out
+
+
+def dry_run_config(cfg: TrainConfig) -> TrainConfig:
+    """The run as the dry run executes it: on the CPU's fake tensors, with the precision the
+    target device would use (precision=auto means bf16 on a GPU), no checkpoints read, no W&B."""
+    cfg = dataclasses.replace(cfg)
+    target_gpu = cfg.device in ("auto", "cuda")
+    precision = dataclasses.replace(cfg.precision)
+    if precision.name == "auto":
+        precision.name = "bf16" if target_gpu else "fp32"
+    precision.te = "off"  # Transformer Engine needs a real GPU
+    cfg.precision = precision
+    cfg.device = "cpu"
+    cfg.compile = cfg.fused_kernels = False  # no compiled kernels on fake tensors
+    return cfg
+
+
+@dataclasses.dataclass
+class StepMeasurement:
+    parameters: int  # elements of the parameters this rank holds
+    peak_memory_bytes: int
+    memory_bytes: dict[str, int]  # parameters and buffers, reduced gradients, optimizer state
+    collective_bytes: dict[str, int]
+    collective_calls: dict[str, int]
+
+
+def measure_step(cfg: TrainConfig, topology: Topology | None, fake=None) -> StepMeasurement:
+    """Builds this rank's part of the model as k3-train does and runs one optimizer step on
+    synthetic micro-batches under the probes; `fake`: a FakeTensorMode the storage is made in
+    (the dry run), None: real tensors. The layout is applied on the meta device (process groups
+    and meshes are real); only the storage made from then on is fake."""
+    from .loop import build_parallel_model, train_step
+
+    device = torch.device("cpu")
+    micro_batches = synthetic_micro_batches(cfg, topology)
+    memory, counter, sizes = StepMemory(), CollectiveBytes(), {}
+    storage = (lambda: fake) if fake is not None else contextlib.nullcontext
+    with dispatch.kernels_enabled(False), _real_strided_shard_offsets():
+        model, precision, parallel, optimizers = build_parallel_model(
+            cfg, topology if topology is not None and topology.world_size > 1 else None, device,
+            storage=storage)
+        params = [_local(p) for p in model.parameters()]
+        sizes["parameters"] = _nbytes(params) + _nbytes(list(model.buffers()))
+        memory.track([params, list(model.buffers())])
+
+        def after_backward(model):  # the reduced gradients, before clipping
+            sizes["gradients"] = _nbytes([_local(p.grad) for p in model.parameters()
+                                          if p.grad is not None])
+
+        with storage(), memory, counter:
+            train_step(model, optimizers, micro_batches, device, precision, parallel, cfg.optim,
+                       on_gradients=after_backward, check_finite=False)
+        sizes["optimizer_state"] = _nbytes([list(opt.state.values()) for opt in optimizers])
+    return StepMeasurement(sum(p.numel() for p in params), memory.peak, sizes,
+                           dict(sorted(counter.bytes.items())),
+                           dict(sorted(counter.calls.items())))
+
+
+def run_dry(cfg: TrainConfig) -> int:
+    """The dry run (module docstring); writes <run_dir>/dry_run.json, returns the exit code."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .sizing import plan
+
+    world, rank = cfg.dry_run.world_size, cfg.dry_run.rank
+    planned = plan(cfg, world_size=world)
+    run_cfg = dry_run_config(cfg)
+    validate_train_config(run_cfg, world, data=False)
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    topology = Topology.from_config(run_cfg.parallel, world, run_cfg.model).initialize("cpu")
+    try:
+        measured = measure_step(run_cfg, topology, FakeTensorMode(allow_non_fake_inputs=True))
+        layout = topology.describe()
+    finally:
+        topology.destroy()
+        dist.destroy_process_group()
+    result = {"world_size": world, "rank": rank, "layout": layout,
+              "parameters_on_rank": measured.parameters,
+              "peak_memory_bytes": measured.peak_memory_bytes,
+              "memory_bytes": measured.memory_bytes,
+              "collective_bytes": measured.collective_bytes,
+              "collective_calls": measured.collective_calls,
+              "planned_memory_bytes": round(planned["memory_per_gpu"]["total_gib"] * 2**30),
+              "seconds": round(time.perf_counter() - started, 1)}
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "dry_run.json").write_text(json.dumps(result, indent=2) + "\n")
+    log.info("dry run of rank %d of %d: peak %.2f GiB (planned %.2f GiB), %s; wrote %s", rank,
+             world, result["peak_memory_bytes"] / 2**30, result["planned_memory_bytes"] / 2**30,
+             ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in result["collective_bytes"].items()),
+             run_dir / "dry_run.json")
+    return 0
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (nested lists and dicts of tensors)."""
+    from torch.utils._pytree import tree_leaves
+
+    seen = {}
+    for t in tree_leaves(tensors):
+        if isinstance(t, torch.Tensor):
+            t = _local(t)
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(seen.values())
