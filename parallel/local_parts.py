@@ -46,14 +46,14 @@ def dtensor_index(param: DTensor) -> list[torch.Tensor]:
     """The global index (within `param`'s logical shape) of its local elements, per dimension:
     the placements applied in mesh-dimension order, as DTensor nests them."""
     mesh, device = param.device_mesh, param.to_local().device
-    return [torch.tensor(_dim_index(size, dim, tuple(param.placements),
+    return [torch.tensor(dim_index(size, dim, tuple(param.placements),
                                     tuple(mesh.shape), tuple(mesh.get_coordinate())),
                          dtype=torch.long, device=device)
             for dim, size in enumerate(param.shape)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _dim_index(size: int, dim: int, placements: tuple, mesh_shape: tuple,
+def dim_index(size: int, dim: int, placements: tuple, mesh_shape: tuple,
                coordinate: tuple) -> tuple[int, ...]:
     """Dimension `dim`'s index on the rank at `coordinate` (host integers; many parameters
     share their sizes and layouts, so each is worked out once)."""

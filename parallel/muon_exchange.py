@@ -5,19 +5,24 @@ orthogonalisation (an Orthogonalize callable: Newton-Schulz on a block of whole 
 exchange returns each job's orthogonalised update, this rank's part. LocalExchange: every
 parameter is whole on this rank. DTensorExchange: DTensor parameters (FSDP2, HSDP, TP).
 
-Newton-Schulz needs whole matrices. For every parameter of a step (parameters of one shape,
-dtype and layout stacked, so that each such group costs one collective per step and direction):
-1. gather: the update is all-gathered along the mesh dimensions that cut matrices (FSDP's
-   shard dimension, a column- or row-parallel dimension). A head-parallel dimension of a
-   per-head group is kept: its shards are whole heads, orthogonalised where they are.
-2. orthogonalise once: one owner among the ranks that now hold the same block does it; owners
-   are assigned greedily by block size, largest first, so the work is balanced.
-3. redistribute: the owner's result (zeros elsewhere) is a partial sum over those ranks;
-   redistributing it to the parameter's layout is a reduce-scatter that hands every rank its
-   part. Adding zeros is exact, so the update equals the single-process one bit for bit up to
-   the order of fp32 operations inside the collectives (none: one non-zero term).
-Replicated dimensions (DDP replicas, HSDP's replicate dimension, ZeRO-1) compute redundantly:
-they already hold whole matrices and the ranks there do the same work.
+Newton-Schulz needs whole matrices, and each should be orthogonalised once, by one rank, holding
+no more than its share of them (Moonlight's and Dion's distributed Muon):
+1. Which mesh dimensions cut a job's matrices: a shard of a matrix dimension does; a shard of a
+   stack's expert dimension does not (each expert is whole where it is), nor a head-parallel
+   dimension of a per-head job (its shards are whole heads, orthogonalised where they are).
+   A job no dimension cuts is orthogonalised locally, with no communication.
+2. One cut dimension (the largest: FSDP's) is the exchange's; any other (a column- or
+   row-parallel tensor dimension) is all-gathered first, within it.
+3. Each job gets an owner among the ranks of its exchange dimension, greedily by block size,
+   largest first, so that each rank assembles and orthogonalises about 1/N of the blocks.
+4. One all_to_all per mesh, exchange dimension and dtype hands every owner the shards of its
+   blocks (each rank sends each local shard once); the owner assembles each block at the global
+   positions DTensor's placements give every shard (parallel/local_parts.py), orthogonalises
+   it, and a second all_to_all returns every rank its part.
+A rank so sends and receives about what it holds, O(P/N), and holds at most its own blocks: no
+rank gathers every matrix. The result equals the single-process update bit for bit: the same
+whole matrices go through the same Newton-Schulz. Replicated dimensions (DDP replicas, HSDP's
+replicate dimension) compute redundantly: each replica exchanges within its own shard ranks.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from parallel.strides import contiguous_strides
+from .local_parts import dim_index
 
 
 @dataclass(eq=False)
@@ -74,116 +80,184 @@ class DTensorExchange:
     def __init__(self, head_dims: tuple[str, ...] = ("tp",)):
         self.head_dims = head_dims
 
-    def _layout(self, job: MatrixJob):
-        """(placements to gather to, mesh dims gathered over) for a DTensor job."""
+    def _cut_dims(self, job: MatrixJob) -> list[int]:
+        """The mesh dimensions whose shards cut the job's matrices."""
         p = job.param
         names = p.device_mesh.mesh_dim_names or ()
         head_dim = job.head_axis - 2 + p.ndim
-        gather, cut = [], []
+        cut = []
         for i, pl in enumerate(p.placements):
-            keep = (type(pl) is Shard and pl.dim == head_dim and job.num_heads > 1
-                    and i < len(names) and names[i] in self.head_dims)
-            if isinstance(pl, (Shard, _StridedShard)) and not keep:
-                cut.append(i)
-                gather.append(Replicate())
-            else:
-                gather.append(pl)
-        return gather, cut
+            if not isinstance(pl, (Shard, _StridedShard)):
+                continue
+            if p.ndim == 3 and pl.dim == 0:  # stacked experts: whole matrices
+                continue
+            if (type(pl) is Shard and pl.dim == head_dim and job.num_heads > 1
+                    and i < len(names) and names[i] in self.head_dims):
+                continue
+            cut.append(i)
+        return cut
 
     def orthogonalize(self, jobs: list[MatrixJob], ortho: Orthogonalize) -> list[torch.Tensor]:
-        groups = self._groups(jobs)
-        plans = [None] * len(jobs)
-        # 1. gather: jobs of one shape and layout are stacked, so that each such group costs
-        # one collective, not one per parameter.
-        for members, gather, cut in groups:
-            if gather is None:
-                for i in members:
-                    plans[i] = (jobs[i], jobs[i].update, None, None)
-                continue
-            updates = [jobs[i].update for i in members]
-            blocks = _stacked(updates).redistribute(updates[0].device_mesh,
-                                                    _shifted(gather)).to_local()
-            for i, block in zip(members, blocks.unbind(0)):
-                plans[i] = (jobs[i], block, gather, cut)
-        mine = self._owned(plans)
-        out = [None] * len(jobs)
-        for members, gather, cut in groups:  # 2. orthogonalise, 3. scatter
-            if gather is None:
-                for i in members:
-                    out[i] = ortho(plans[i][1], jobs[i])
-                continue
-            param = jobs[members[0]].param
-            results = torch.stack([ortho(plans[i][1], jobs[i]) if mine[i]
-                                   else torch.zeros_like(plans[i][1], dtype=param.dtype)
-                                   for i in members])
-            mesh = param.device_mesh
-            partial = [Partial() if i in cut else pl for i, pl in enumerate(gather)]
-            shape = (len(members), *param.shape)
-            stacked = DTensor.from_local(results, mesh, _shifted(partial), shape=shape,
-                                         stride=contiguous_strides(shape))
-            local = stacked.redistribute(mesh, _shifted(param.placements)).to_local()
-            for i, part in zip(members, local.unbind(0)):
-                out[i] = DTensor.from_local(part, mesh, param.placements, shape=param.shape,
-                                            stride=param.stride())
-        return out
-
-    def _groups(self, jobs: list[MatrixJob]) -> list[tuple[list[int], list | None, list]]:
-        """(job indices, placements to gather to, mesh dims gathered over) per group of jobs
-        whose collectives can be one: same mesh, logical shape, dtype, placements of update
-        and parameter, and what is gathered (a head-parallel dimension stays sharded for
-        per-head groups only). A parameter that is not a DTensor is a group of its own
-        (gather None)."""
-        groups: dict[tuple, tuple[list[int], list | None, list]] = {}
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        exchanges: dict[tuple, list[_Block]] = {}
         for i, job in enumerate(jobs):
             if not isinstance(job.param, DTensor):
-                groups[("local", i)] = ([i], None, [])
+                out[i] = ortho(job.update, job)
                 continue
-            gather, cut = self._layout(job)
-            u = job.update
-            key = (u.device_mesh, tuple(u.placements), tuple(job.param.placements),
-                   tuple(u.shape), u.dtype, tuple(gather), tuple(cut))
-            groups.setdefault(key, ([], gather, cut))[0].append(i)
-        return list(groups.values())
-
-    @staticmethod
-    def _owned(plans) -> list[bool]:
-        """Greedy balance per set of cut dimensions: which blocks this rank orthogonalises."""
-        load: dict[tuple, list[int]] = {}
-        order = sorted(range(len(plans)), key=lambda i: -plans[i][1].numel())
-        owned = [True] * len(plans)
-        for i in order:
-            job, block, gather, cut = plans[i]
-            if gather is None or not cut:
+            cut = self._cut_dims(job)
+            if not cut:
+                out[i] = _as_param(ortho(job.update.to_local(), job), job.param)
                 continue
             mesh = job.param.device_mesh
-            sizes = [mesh.size(d) for d in cut]
-            table = load.setdefault((mesh, tuple(cut)), [0] * math.prod(sizes))
-            owner = min(range(len(table)), key=lambda r: (table[r], r))
-            table[owner] += block.numel()
-            me = 0
-            for d, size in zip(cut, sizes):
-                me = me * size + mesh.get_local_rank(d)
-            owned[i] = owner == me
-        return owned
+            dim = max(cut, key=lambda d: (mesh.size(d), -d))
+            block = _Block(i, job, dim, [d for d in cut if d != dim])
+            exchanges.setdefault((mesh, dim, job.update.dtype), []).append(block)
+        for group in exchanges.values():
+            for block, part in zip(group, _exchange(group, ortho), strict=True):
+                out[block.index] = _as_param(block.to_param_part(part), block.job.param)
+        return out
 
 
-def _shifted(placements):
-    """Placements of a tensor stacked on a new leading dimension: shards move one dim up."""
-    out = []
-    for pl in placements:
-        if type(pl) is _StridedShard:
-            out.append(_StridedShard(pl.dim + 1, split_factor=pl.split_factor))
-        elif type(pl) is Shard:
-            out.append(Shard(pl.dim + 1))
-        else:
-            out.append(pl)
+def _pieces(shape: tuple, now: tuple, mesh, coordinate: tuple, mesh_dim: int
+            ) -> tuple[int, int, list[torch.Tensor]]:
+    """Gathering along `mesh_dim`: (the tensor dimension it cuts, that dimension's extent once
+    gathered, and for each rank r along it the positions its rows take there), from DTensor's
+    placements `now` (parallel/local_parts.py)."""
+    cut = now[mesh_dim].dim
+    after = tuple(Replicate() if d == mesh_dim else pl for d, pl in enumerate(now))
+    target = dim_index(shape[cut], cut, after, tuple(mesh.shape), coordinate)
+    where = {g: i for i, g in enumerate(target)}
+    positions = []
+    for r in range(mesh.size(mesh_dim)):
+        at = list(coordinate)
+        at[mesh_dim] = r
+        rows = dim_index(shape[cut], cut, now, tuple(mesh.shape), tuple(at))
+        positions.append(torch.tensor([where[g] for g in rows], dtype=torch.long))
+    return cut, len(target), positions
+
+
+@dataclass(eq=False)
+class _Block:
+    """One job's update in the exchange over mesh dimension `dim`: gathered first along the
+    `gathered` cut dimensions (all_gather), then assembled on its owner along `dim`."""
+
+    index: int
+    job: MatrixJob
+    dim: int
+    gathered: list[int]
+
+    def __post_init__(self):
+        param = self.job.param
+        self.mesh, shape = param.device_mesh, tuple(param.shape)
+        self.coordinate = tuple(self.mesh.get_coordinate())
+        placements = tuple(param.placements)
+        self.steps = []  # (mesh dim, tensor dim, gathered extent, positions), in order
+        for mesh_dim in [*self.gathered, self.dim]:
+            self.steps.append((mesh_dim, *_pieces(shape, placements, self.mesh, self.coordinate,
+                                                  mesh_dim)))
+            placements = tuple(Replicate() if d == mesh_dim else pl
+                               for d, pl in enumerate(placements))
+        local = list(self.job.update.to_local().shape)
+        for _, cut, extent, _ in self.steps[:-1]:
+            local[cut] = extent
+        _, self.cut, extent, positions = self.steps[-1]
+        self.positions = [p.to(self.job.update.device) for p in positions]
+        self.shard_shapes = []  # of each rank along `dim`, after the gathers
+        for p in positions:
+            local[self.cut] = len(p)
+            self.shard_shapes.append(tuple(local))
+        local[self.cut] = extent
+        self.block_shape = tuple(local)
+
+    def gathered_shard(self) -> torch.Tensor:
+        """This rank's shard of the block: its update gathered along the other cut dims."""
+        x = self.job.update.to_local()
+        for mesh_dim, cut, extent, positions in self.steps[:-1]:
+            x = _all_gather_rows(x, cut, extent, positions, self.mesh.get_group(mesh_dim))
+        return x
+
+    def to_param_part(self, part: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the orthogonalised block back in the parameter's layout: the
+        gathered dimensions sliced to its own rows again (no communication)."""
+        for mesh_dim, cut, _, positions in reversed(self.steps[:-1]):
+            mine = positions[self.coordinate[mesh_dim]].to(part.device)
+            part = part.index_select(cut, mine)
+        return part
+
+
+def _all_gather_rows(x: torch.Tensor, cut: int, extent: int, positions: list[torch.Tensor],
+                     group) -> torch.Tensor:
+    """The ranks' `x` (their rows of tensor dim `cut`; uneven) gathered into the rows they take
+    in the gathered tensor of `extent` rows: padded to the longest, all-gathered, placed."""
+    longest = max(len(p) for p in positions)
+    pad = list(x.shape)
+    pad[cut] = longest - x.shape[cut]
+    padded = torch.cat([x, x.new_zeros(pad)], dim=cut) if pad[cut] else x
+    gathered = x.new_empty(len(positions) * padded.numel())
+    dist.all_gather_into_tensor(gathered, padded.reshape(-1), group=group)
+    gathered = gathered.view(len(positions), *padded.shape)
+    shape = list(x.shape)
+    shape[cut] = extent
+    out = x.new_empty(shape)
+    for r, rows in enumerate(positions):
+        out.index_copy_(cut, rows.to(x.device), gathered[r].narrow(cut, 0, len(rows)))
     return out
 
 
-def _stacked(updates: list[DTensor]) -> DTensor:
-    """Updates of one shape and layout as one DTensor [n, ...] (their local parts stacked)."""
-    first = updates[0]
-    local = torch.stack([u.to_local() for u in updates])
-    shape = (len(updates), *first.shape)
-    return DTensor.from_local(local, first.device_mesh, _shifted(first.placements), shape=shape,
-                              stride=contiguous_strides(shape))
+def _exchange(group: list[_Block], ortho: Orthogonalize) -> list[torch.Tensor]:
+    """One exchange dimension's jobs: shards to owners, blocks orthogonalised, parts back."""
+    first = group[0]
+    mesh, dim = first.mesh, first.dim
+    size, me = mesh.size(dim), mesh.get_local_rank(dim)
+    load = [0] * size
+    owner = {}
+    for block in sorted(group, key=lambda b: (-math.prod(b.block_shape), b.index)):
+        owner[block.index] = min(range(size), key=lambda r: (load[r], r))
+        load[owner[block.index]] += math.prod(block.block_shape)
+    mine = [b for b in group if owner[b.index] == me]
+    by_owner = [b for r in range(size) for b in group if owner[b.index] == r]
+    shards = {b.index: b.gathered_shard() for b in group}
+    # Shards to their owners: per destination, this rank's shard of each job it owns.
+    to_owner = [math.prod(b.shard_shapes[me]) for b in by_owner]
+    send_splits = [sum(n for b, n in zip(by_owner, to_owner) if owner[b.index] == r)
+                   for r in range(size)]
+    recv_sizes = [math.prod(b.shard_shapes[r]) for r in range(size) for b in mine]
+    recv_splits = [sum(math.prod(b.shard_shapes[r]) for b in mine) for r in range(size)]
+    received = _all_to_all([shards[b.index].reshape(-1) for b in by_owner], send_splits,
+                           recv_splits, first.job.update.dtype, mesh.get_group(dim))
+    del shards
+    pieces = iter(received.split(recv_sizes))
+    blocks = {b.index: received.new_empty(b.block_shape) for b in mine}
+    for r in range(size):
+        for b in mine:
+            blocks[b.index].index_copy_(b.cut, b.positions[r], next(pieces).view(b.shard_shapes[r]))
+    del received, pieces  # each buffer is let go once used: the exchange holds ~2x its share
+    results = {}
+    for b in mine:
+        results[b.index] = ortho(blocks.pop(b.index), b.job)
+    # Parts back: per destination, its part of every block this rank owns.
+    parts = [results[b.index].index_select(b.cut, b.positions[r]).reshape(-1)
+             for r in range(size) for b in mine]
+    dtype = first.job.param.dtype
+    del results
+    back = _all_to_all(parts, recv_splits, send_splits, dtype, mesh.get_group(dim))
+    local = dict(zip((b.index for b in by_owner),
+                     (x.view(b.shard_shapes[me]) for x, b in zip(back.split(to_owner), by_owner)),
+                     strict=True))
+    return [local[b.index] for b in group]
+
+
+def _all_to_all(pieces: list[torch.Tensor], send_splits: list[int], recv_splits: list[int],
+                dtype: torch.dtype, group) -> torch.Tensor:
+    """all_to_all_single of the concatenated pieces; split sizes are host integers from the
+    shapes (no sync)."""
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+    pieces.clear()  # the caller's list: its tensors now live in `send` only
+    received = send.new_empty(sum(recv_splits))
+    dist.all_to_all_single(received, send, recv_splits, send_splits, group=group)
+    return received
+
+
+def _as_param(local: torch.Tensor, param: DTensor) -> DTensor:
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride())

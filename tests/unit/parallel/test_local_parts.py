@@ -23,6 +23,8 @@ CASES = {
     "hsdp": ((2, 2), [Replicate(), Shard(0)]),
     "fsdp_x_tp_strided": ((2, 2), [Shard(0), _StridedShard(1, split_factor=2)]),
     "two_dims_on_rows": ((2, 2), [Shard(0), Shard(0)]),
+    # FSDP2 over tensor parallelism's head shards: the tp shard first, then FSDP's chunk of it
+    "fsdp_over_tp_heads": ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
 }
 
 
