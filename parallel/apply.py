@@ -171,15 +171,17 @@ class ParallelPlan:
         FSDP2 dense gradients over dp x cp and expert gradients over the expert-data ranks
         (FSDP2 reduces each over its own mesh); under the pipeline each stage's over its dp x cp
         ranks."""
-        if not self.data_parallel:
-            reduce_partial_gradients(self.model)
+        if self.data_parallel:  # FSDP2 / replicate reduced them during backward
+            fill_missing_gradients(self.model)
+            return
+        reduce_partial_gradients(self.model)
         fill_missing_gradients(self.model)
-        if self.plain_data_parallel or self.pipeline is not None:  # local parts under TP
-            allreduce_gradients([p for p in self.model.parameters() if p.requires_grad],
-                                self._group("dp_cp"))
-        elif self.expert_parallel and not self.data_parallel:
+        if self.expert_parallel:
             allreduce_expert_parallel_gradients(self.model, self._group("dp_cp"),
                                                 self._group("edp"))
+        elif self.plain_data_parallel or self.pipeline is not None:  # local parts under TP
+            allreduce_gradients([p for p in self.model.parameters() if p.requires_grad],
+                                self._group("dp_cp"))
 
     @property
     def sharded_state(self) -> ExpertShardedState | None:
@@ -197,7 +199,9 @@ class ParallelPlan:
         (parallel.grad_norm). Under expert parallelism the norm covers every rank's home
         experts; under pipeline parallelism every stage's parameters."""
         if self.expert_parallel:
-            return clip_grad_norm_expert_parallel(self.model, max_norm, self._group("ep"))
+            return clip_grad_norm_expert_parallel(
+                self.model, max_norm, self._group("ep"),
+                self._group("pp") if self.pipeline is not None else None)
         params = [p for p in self.model.parameters() if p.grad is not None]
         total = self.sum_over_stages(squared_grad_norm([p.grad for p in params])).sqrt()
         if math.isfinite(max_norm):
@@ -272,12 +276,14 @@ def _pipeline_step(model: K3Model, topology, cfg, mesh, device: torch.device) ->
     from .pipeline import PipelineStep  # see shard_stages
 
     micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * topology.dp)
+    # Under context parallelism a stage runs this rank's fragment of every row.
     activations = None
     if topology.tp > 1:
         activations = (mesh["tp"], Shard(1) if topology.sequence_parallel else Replicate())
     return PipelineStep(model, *_stage_costs(cfg), topology.group("pp"),
                         topology.pipeline_schedule, topology.virtual_stages, micro_batches,
-                        (cfg.stage.micro_batch_size, cfg.stage.seq_len), device, activations)
+                        (cfg.stage.micro_batch_size, cfg.stage.seq_len // topology.cp), device,
+                        activations)
 
 
 def _data_parallel_dims(topology) -> tuple[str, ...]:
@@ -303,9 +309,6 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
                                   "plan not applied to k3-train yet")
     plan = ParallelPlan(model, topology)
     plan.expert_parallel = topology is not None and topology.ep > 1
-    if plan.expert_parallel and topology.data_shard == "optimizer":
-        raise NotImplementedError("parallel.data_shard=optimizer (ZeRO-1) with parallel.expert "
-                                  "> 1: use none or full")
     mesh = None
     if topology is not None and topology.world_size > 1:
         mesh = topology.mesh(*_data_parallel_dims(topology), "tp")
@@ -323,31 +326,41 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
     enable_fused_kernels(cfg.fused_kernels)
     if topology is not None and topology.pp > 1:
         plan.pipeline = _pipeline_step(model, topology, cfg, mesh, device)
-    # Expert parallelism with data_shard=none reduces its gradients by hand (finish_gradients).
-    if (mesh is not None and topology.dp * topology.cp > 1
-            and (not plan.expert_parallel or topology.data_shard == "full")):
+        if plan.context is not None:
+            for stage in plan.pipeline.modules:
+                stage.on_batch = plan.context.bind
+    if mesh is not None and topology.dp * topology.cp > 1:
         mode = topology.data_shard
-        if plan.pipeline is not None:
-            if mode == "full":
-                raise NotImplementedError("parallel.data_shard=full with parallel.pipeline > 1: "
-                                          "FSDP2 is not combined with the pipeline yet (none or "
-                                          "optimizer)")
-        elif cfg.optim.offload == "cpu":  # validated: mode none or optimizer, tensor 1
-            plan.plain_data_parallel = True
-        else:
+        if mode == "full":
             dims = _data_parallel_dims(topology)
             if topology.dp_replicate == 1:
                 dims = dims[-1:]
+            # Under the pipeline each stage is FSDP2's root: the schedule runs the stages, never
+            # the model's own forward.
             apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode,
-                                topology.mesh("edp") if plan.expert_parallel else None)
+                                topology.mesh("edp") if plan.expert_parallel else None,
+                                roots=plan.pipeline.modules if plan.pipeline else None)
             if plan.expert_parallel:
                 mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
             plan.data_parallel = True
+        elif plan.pipeline is not None or plan.expert_parallel:
+            pass  # summed after the backward (finish_gradients): stages, experts' own groups
+        elif cfg.optim.offload == "cpu":  # validated: mode none or optimizer, tensor 1
+            plan.plain_data_parallel = True
+        else:
+            apply_data_parallel(model, mesh[_data_parallel_dims(topology)[-1]], mode)
+            plan.data_parallel = True
         if mode == "optimizer":
-            # Owners within one replica (the shard dim x cp); every replica holds the same
-            # state for its copy, updated from the same gradients, summed over all dp x cp.
+            # Owners within one replica (the shard dim x cp; the expert-data ranks for the
+            # experts); every replica holds the same state for its copy, updated from the same
+            # gradients.
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            plan.zero = ZeroOneOwnership(params, topology.group("dp_shard_cp"))
+            experts = [(n, p) for n, p in params if is_expert_parameter(p)]
+            partitions = [([(n, p) for n, p in params if not is_expert_parameter(p)],
+                           topology.group("dp_shard_cp"))]
+            if experts:
+                partitions.append((experts, topology.group("edp")))
+            plan.zero = ZeroOneOwnership(partitions)
     if mesh is not None:
         plan.exchange = DTensorExchange()
     return plan

@@ -45,11 +45,13 @@ def fill_missing_gradients(model: nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def _units(model: K3Model) -> list[nn.Module]:
+def _units(model: K3Model, roots: list[nn.Module] | None = None) -> list[nn.Module]:
     """The modules that reduce (FSDP: gather) their parameters together: each decoder layer,
     then the root (embedding, LM head, vision encoder: the vision tower runs on some ranks'
-    batches only, so it shares the root's reduction, which zero-fills unused gradients)."""
-    return [*model.layers.values(), model]
+    batches only, so it shares the root's reduction, which zero-fills unused gradients).
+    `roots`: a pipeline rank's stage modules, whose forwards the schedule calls, in place of the
+    model (whose own forward a stage never runs)."""
+    return [*model.layers.values(), *(roots if roots is not None else [model])]
 
 
 def _shard_beside_strided_rows(param: nn.Parameter) -> Shard | None:
@@ -63,16 +65,18 @@ def _shard_beside_strided_rows(param: nn.Parameter) -> Shard | None:
 
 
 def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
-                        expert_mesh: DeviceMesh | None = None) -> None:
+                        expert_mesh: DeviceMesh | None = None,
+                        roots: list[nn.Module] | None = None) -> None:
     """Wraps `model` in place for data parallelism over `mesh` (1-D: every data-parallel rank
     for modes none and optimizer, the shard ranks for full; 2-D dp_replicate x dp_shard for
     HSDP with mode full). `expert_mesh` (mode full under expert parallelism): the
     expert-data-parallel ranks, which hold the same experts; each MoE layer's experts become
     their own unit sharded over it first, so the enclosing layer leaves them out (torchtitan's
-    dp_shard_mod_ep)."""
+    dp_shard_mod_ep). `roots`: see `_units` (pipeline stages; torch's schedules then hold
+    back the reduce-scatters until a step's last micro-batch)."""
     if mode not in MODES:
         raise ValueError(f"parallel.data_shard={mode!r}: must be one of {list(MODES)}")
-    units = [(unit, mesh) for unit in _units(model)]
+    units = [(unit, mesh) for unit in _units(model, roots)]
     if expert_mesh is not None:
         units = [(moe.experts, expert_mesh) for moe in model.moe_layers()] + units
     reduce_dtype = compute_dtype(*{p.dtype for p in model.parameters()})
@@ -102,37 +106,38 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 class ZeroOneOwnership:
     """ZeRO-1: which data-parallel rank owns (updates, keeps optimizer state for) each parameter.
 
-    Greedy by size, largest first, onto the least loaded rank; ties by name, so every rank
-    computes the same assignment without communication.
+    `partitions`: (named parameters, the group of ranks that hold them alike) pairs: the dense
+    parameters over one replica's data-parallel ranks, under expert parallelism the experts
+    over their expert-data ranks. Greedy by size, largest first, onto the least loaded rank of
+    the group; ties by name, so every rank computes the same assignment without communication.
     """
 
-    def __init__(self, named_params: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        load = [0] * self.size
-        self.owner: dict[str, int] = {}
-        for name, p in sorted(named_params, key=lambda item: (-item[1].numel(), item[0])):
-            rank = min(range(self.size), key=lambda r: (load[r], r))
-            self.owner[name] = rank
-            load[rank] += p.numel()
-        self.load = load
+    def __init__(self, partitions: list[tuple[list[tuple[str, torch.Tensor]],
+                                              dist.ProcessGroup]]):
+        self.groups: dict[str, dist.ProcessGroup] = {}  # parameter -> its partition's group
+        self.owner: dict[str, int] = {}  # parameter -> its owner's rank in that group
+        for named_params, group in partitions:
+            load = [0] * dist.get_world_size(group)
+            for name, p in sorted(named_params, key=lambda item: (-item[1].numel(), item[0])):
+                rank = min(range(len(load)), key=lambda r: (load[r], r))
+                self.owner[name], self.groups[name] = rank, group
+                load[rank] += p.numel()
 
     def owns(self, name: str) -> bool:
-        return self.owner[name] == self.rank
+        return self.owner[name] == dist.get_rank(self.groups[name])
 
     @torch.no_grad()
     def broadcast_updates(self, named_params) -> None:
-        """Every parameter from its owner to the other ranks of `group` (one HSDP replica's
-        shard ranks, or every data-parallel rank). `named_params`: the model's, as they are now
-        (materialising a model built on meta replaces its parameter objects)."""
-        if self.size == 1:
-            return
+        """Every parameter from its owner to the other ranks of its group (one HSDP replica's
+        shard ranks, every data-parallel rank, the expert-data ranks). `named_params`: the
+        model's, as they are now (materialising a model built on meta replaces its parameter
+        objects)."""
         for name, p in named_params:
-            if name not in self.owner:
+            group = self.groups.get(name)
+            if group is None or dist.get_world_size(group) == 1:
                 continue
-            src = dist.get_global_rank(self.group, self.owner[name])
-            dist.broadcast(_local(p), src=src, group=self.group)
+            src = dist.get_global_rank(group, self.owner[name])
+            dist.broadcast(_local(p), src=src, group=group)
 
 
 def allreduce_gradients(params: list[torch.Tensor], group, bucket_bytes: int = 64 << 20) -> None:

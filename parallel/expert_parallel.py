@@ -86,17 +86,23 @@ def allreduce_expert_parallel_gradients(model: nn.Module, dp_group: dist.Process
 
 
 def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
-                                   ep_group: dist.ProcessGroup) -> torch.Tensor:
+                                   ep_group: dist.ProcessGroup,
+                                   stage_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole (logical) model when expert weights are
     sharded over `ep_group`: dense gradients are the same on every EP rank, each rank adds its
     home experts' squares (parallel.grad_norm), one all-reduce over the EP ranks gives the
-    global norm. Call after the gradient reductions; returns the total norm (a float64 device
-    tensor, no host sync)."""
+    stage's norm; `stage_group` (pipeline parallelism) adds the stages' squares. Call after the
+    gradient reductions; returns the total norm (a float64 device tensor, no host sync)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    expert_sq = squared_grad_norm([p.grad for p in params if is_expert_parameter(p)])
-    dist.all_reduce(expert_sq, group=ep_group)
+    experts = [p.grad for p in params if is_expert_parameter(p)]
     dense = [p.grad for p in params if not is_expert_parameter(p)]
-    total = (squared_grad_norm(dense) + expert_sq).sqrt()
+    expert_sq = (squared_grad_norm(experts) if experts
+                 else torch.zeros((), dtype=torch.float64, device=params[0].grad.device))
+    dist.all_reduce(expert_sq, group=ep_group)
+    squares = squared_grad_norm(dense) + expert_sq
+    if stage_group is not None and dist.get_world_size(stage_group) > 1:
+        dist.all_reduce(squares, group=stage_group)
+    total = squares.sqrt()
     scale_grads_([p.grad for p in params], (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total
 

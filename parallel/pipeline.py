@@ -133,6 +133,9 @@ class StageModule(nn.Module):
         self._model = (model,)  # not a submodule: its parameters are the union of the stages'
         self.micro_batches: list[K3Batch] = []
         self.micro_batch = 0  # the index of the micro-batch the next forward runs (_Stage)
+        # Sees each micro-batch before the stage's layers run it (context parallelism binds its
+        # fragment there, as K3Model's forward pre-hook does without a pipeline).
+        self.on_batch = None
         self.autocast = contextlib.nullcontext  # the forward's precision region, set per step
 
     def forward(self, *inputs: torch.Tensor):
@@ -140,6 +143,8 @@ class StageModule(nn.Module):
             return self._forward(inputs, self.micro_batches[self.micro_batch])
 
     def _forward(self, inputs: tuple[torch.Tensor, ...], batch: K3Batch):
+        if self.on_batch is not None:
+            self.on_batch(batch)
         if self.first:
             state = BlockState(self._model[0].embed_inputs(batch), self.block_size)
         else:

@@ -159,17 +159,7 @@ def _fail(path: str, value, valid: str) -> None:
 
 
 def _check_pipeline(cfg: TrainConfig, topo: Topology, micro_batches: int) -> None:
-    """What k3-train's pipeline composes with so far, and enough micro-batches to fill it."""
-    refused = {"context": (topo.cp, "context parallelism"),
-               "expert": (topo.ep, "expert parallelism")}
-    for name, (size, what) in refused.items():
-        if size > 1:
-            _fail(f"parallel.{name}", size, f"must be 1 with parallel.pipeline={topo.pp}: {what} "
-                  "is not combined with the pipeline in k3-train yet")
-    if topo.data_shard == "full":
-        _fail("parallel.data_shard", topo.data_shard,
-              f"must be 'none' or 'optimizer' with parallel.pipeline={topo.pp}: FSDP2 is not "
-              "combined with the pipeline yet")
+    """Enough micro-batches per data-parallel rank to fill the pipeline."""
     stages = _least_micro_batches(topo)
     if micro_batches < stages:
         _fail("stage.global_batch_size", cfg.stage.global_batch_size,
@@ -252,10 +242,6 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
         if getattr(cfg.parallel, name) != 1:
             _fail(f"parallel.{name}", getattr(cfg.parallel, name),
                   f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
-    if topo.ep > 1 and topo.data_shard == "optimizer":
-        _fail("parallel.data_shard", topo.data_shard,
-              f"must be none or full with parallel.expert={topo.ep}: ZeRO-1 with expert "
-              "parallelism is not implemented yet")
     if topo.ep > 1 and topo.dp_replicate > 1:
         _fail("parallel.data_replicate", topo.dp_replicate,
               f"must be 1 with parallel.expert={topo.ep}: HSDP with expert parallelism is not "

@@ -57,6 +57,20 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def logical(param: torch.Tensor, value: torch.Tensor, topology) -> torch.Tensor:
+    """`value` (the parameter or its gradient) as the full logical tensor: DTensors gathered
+    over their meshes, a rank's home experts over the expert-parallel ranks (a collective over
+    them: call in the same order on every rank of the group)."""
+    from parallel.expert_parallel import is_expert_parameter
+
+    whole = full(value)
+    if topology is None or topology.ep == 1 or not is_expert_parameter(param):
+        return whole
+    out = whole.new_empty(whole.shape[0] * topology.ep, *whole.shape[1:])
+    dist.all_gather_into_tensor(out, whole.contiguous(), group=topology.group("ep"))
+    return out
+
+
 @dataclass
 class Record:
     losses: list[float] = field(default_factory=list)
@@ -70,16 +84,20 @@ class Record:
     saved_state: dict = field(default_factory=dict)
 
 
-def logical_state(model, optimizers) -> dict:
+def logical_state(model, optimizers, sharded=None) -> dict:
     """What train.checkpoint saves and loads: the model's and optimizers' state under their
     logical (flattened, layout-free) names, tensors as full tensors, merged over the ranks
     (ZeRO-1 ranks own different optimizer entries, pipeline stages different parameters). Every
-    rank returns the same dict; a name two ranks hold with different values raises."""
+    rank returns the same dict; a name two ranks hold with different values raises. `sharded`:
+    the layout's ParallelPlan.sharded_state (experts as their logical tensors), as the
+    checkpointer takes it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from train.checkpoint import OPTIONS
 
     model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
+    if sharded is not None:
+        model_sd, optim_sd = sharded.wrap(model_sd, optim_sd)
     mine = {}
     for prefix, sd in (("model", model_sd), ("optim", optim_sd)):
         for key in sorted(sd):  # the same order on every rank: full() is a collective
@@ -147,13 +165,14 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start = 0
     if resume is not None:
-        ckpt = Checkpointer(resume, keep_last=3, rank=rank, world_size=world)
+        ckpt = Checkpointer(resume, keep_last=3, rank=rank, world_size=world,
+                            sharded=parallel.sharded_state)
         start = ckpt.load(ckpt.latest(), model, optimizers, lambda state: None)
         if states:
-            record.loaded_state = logical_state(model, optimizers)
+            record.loaded_state = logical_state(model, optimizers, parallel.sharded_state)
 
     def keep_grads(m):
-        record.grads = {n: full(p.grad) for n, p in m.named_parameters()}
+        record.grads = {n: logical(p, p.grad, topology) for n, p in m.named_parameters()}
 
     for step in range(start, steps):
         batches = [global_batch(step, dp_rank * per_rank + m * per_micro, per_micro)
@@ -165,12 +184,13 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
         record.grad_norms.append(float(result.grad_norm))
     if save is not None:
         if states:
-            record.saved_state = logical_state(model, optimizers)
-        Checkpointer(save, keep_last=3, rank=rank, world_size=world).save(
+            record.saved_state = logical_state(model, optimizers, parallel.sharded_state)
+        Checkpointer(save, keep_last=3, rank=rank, world_size=world,
+                     sharded=parallel.sharded_state).save(
             steps, model, optimizers, {"loader": {"optimizer_step": steps}})
     if not tensors:
         return record
-    record.params = {n: full(p) for n, p in model.named_parameters()}
+    record.params = {n: logical(p, p, topology) for n, p in model.named_parameters()}
     record.muon = sorted(n for n, p in model.named_parameters()
                          if any(type(o).__name__ == "Muon" and p in o.state for o in optimizers))
     return record
@@ -187,23 +207,50 @@ def _worst(ref: dict, got: dict, names) -> tuple[float, str]:
     return errors[name], name
 
 
-def compare(ref: Record, got: Record) -> dict[str, float | str]:
+def compare(ref: Record, got: Record, stage: bool = False) -> dict[str, float | str]:
     """Worst relative errors: losses and gradient norms of every step, gradients before the
     first step, Muon's and AdamW's parameters after the last step (with the worst tensors'
-    names)."""
-    assert ref.grads.keys() == got.grads.keys() and ref.params.keys() == got.params.keys()
+    names). `stage`: `got` holds one pipeline stage's parameters, a part of `ref`'s."""
+    if stage:
+        assert got.grads.keys() == got.params.keys() and got.params.keys() < ref.params.keys()
+    else:
+        assert ref.grads.keys() == got.grads.keys() and ref.params.keys() == got.params.keys()
     out: dict[str, float | str] = {
         key: max((abs(a - b) / abs(a) for a, b in zip(getattr(ref, field_name),
                                                       getattr(got, field_name), strict=True)),
                  key=_nan_first)
         for key, field_name in (("loss", "losses"), ("grad_norm", "grad_norms"))}
-    adamw = [n for n in ref.params if n not in ref.muon]
-    for key, (a, b, names) in {"grad": (ref.grads, got.grads, ref.grads),
-                               "muon_param": (ref.params, got.params, ref.muon),
+    held = got.params.keys()
+    adamw = [n for n in held if n not in ref.muon]
+    for key, (a, b, names) in {"grad": (ref.grads, got.grads, list(held)),
+                               "muon_param": (ref.params, got.params,
+                                              [n for n in ref.muon if n in held]),
                                "adamw_param": (ref.params, got.params, adamw)}.items():
         if names:
             out[key], out[f"worst_{key}"] = _worst(a, b, names)
     return out
+
+
+def worst_over_ranks(errors: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's `compare` results (layout -> figures) merged: per figure the worst rank's
+    value, and its tensor's name (a collective over the world; one process: as they are)."""
+    if not dist.is_initialized():
+        return errors
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, errors)
+    merged: dict[str, dict] = {}
+    for name in errors:
+        out: dict = {}
+        for rank_errors in every:
+            for key, value in rank_errors[name].items():
+                if key.startswith("worst_"):
+                    continue
+                if key not in out or _nan_first(value) > _nan_first(out[key]):
+                    out[key] = value
+                    if f"worst_{key}" in rank_errors[name]:
+                        out[f"worst_{key}"] = rank_errors[name][f"worst_{key}"]
+        merged[name] = out
+    return merged
 
 
 def layout(cfg: TrainConfig, **parallel) -> TrainConfig:
