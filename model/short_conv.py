@@ -77,9 +77,10 @@ class _DocCausalConv1dSiLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = dispatch.call("conv_silu_backward", *ctx.saved_tensors, grad_out)
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each tensor once
+        grads = dispatch.call("conv_silu_backward", *saved, grad_out)
         if grads is None:
-            grads = _conv_silu_backward(*ctx.saved_tensors, grad_out)
+            grads = _conv_silu_backward(*saved, grad_out)
         return *grads, None
 
 

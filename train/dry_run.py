@@ -48,26 +48,67 @@ from .step_probes import CollectiveBytes, StepMemory
 log = logging.getLogger("k3.train")
 
 @contextlib.contextmanager
-def _real_strided_shard_offsets():
-    """torch's _StridedShard works out which rows a rank holds with a small host tensor
-    (an arange it splits, then reads with .tolist()); under FakeTensorMode that tensor would be
-    fake and unreadable. Its inputs and outputs are integers, so the dry run computes it for
-    real."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.tensor.placement_types import _StridedShard
+def _gpu_sized_tiles():
+    """The torch forms of attention and KDA loop in Python over tiles and chunk blocks sized
+    for a CPU core's cache (1 MiB of scores, 2^18 elements). The dry run stands for a GPU,
+    where those forms are fused kernels (flash attention, fla's KDA): it takes tiles of 1024 x
+    1024 and all of a sequence's chunks at once, about 50x fewer operators (each a Python
+    dispatch on fake tensors). Their temporaries (tens of MiB a layer) move the peak by far
+    less than its parts."""
+    from model.ops import attention
+    from model.ops.kda import bounded
 
-    original = _StridedShard.local_shard_size_and_offset
-
-    @functools.wraps(original)
-    def on_real_tensors(*args, **kwargs):
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
-
-    _StridedShard.local_shard_size_and_offset = on_real_tensors
+    saved = attention.BLOCK_Q, attention.BLOCK_K, attention.TILE_ELEMENTS, bounded._BLOCK_ELEMENTS
+    attention.BLOCK_Q = attention.BLOCK_K = 1024
+    attention.TILE_ELEMENTS = 2 ** 24
+    bounded._BLOCK_ELEMENTS = 2 ** 26
     try:
         yield
     finally:
-        _StridedShard.local_shard_size_and_offset = original
+        (attention.BLOCK_Q, attention.BLOCK_K, attention.TILE_ELEMENTS,
+         bounded._BLOCK_ELEMENTS) = saved
+
+
+@contextlib.contextmanager
+def _fake_world_patches():
+    """Two places where torch reads a value on the host that a fake world cannot give:
+
+    - _StridedShard works out which rows a rank holds with a small host tensor (an arange it
+      splits, then reads with .tolist()); under FakeTensorMode it would be fake and unreadable.
+      Its inputs and outputs are integers, so it runs on real tensors here.
+    - A pipeline schedule's first step has the stages vote whether their boundary shapes are
+      known (STATIC) or must be sent around first (DYNAMIC), multiplying the votes across the
+      stages and reading the product; on the fake process group no stage answers. Every stage
+      here declares its boundaries (parallel/pipeline.py), so each decides its mode from its
+      own vote, as the real product would (a stage that needs DYNAMIC stops the dry run).
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = _StridedShard.local_shard_size_and_offset
+    warmup = _PipelineSchedule._warmup_p2p
+
+    @functools.wraps(strided)
+    def on_real_tensors(*args, **kwargs):
+        with unset_fake_temporarily():
+            return strided(*args, **kwargs)
+
+    def own_votes(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} does not declare its "
+                                   "boundary shapes: a dry run cannot infer them")
+            stage._inference_mode = InferenceMode.STATIC
+
+    _StridedShard.local_shard_size_and_offset = on_real_tensors
+    _PipelineSchedule._warmup_p2p = own_votes
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = strided
+        _PipelineSchedule._warmup_p2p = warmup
 
 
 def synthetic_micro_batches(cfg: TrainConfig, topology: Topology | None) -> list[K3Batch]:
@@ -124,7 +165,7 @@ def measure_step(cfg: TrainConfig, topology: Topology | None, fake=None) -> Step
     micro_batches = synthetic_micro_batches(cfg, topology)
     memory, counter, sizes = StepMemory(), CollectiveBytes(), {}
     storage = (lambda: fake) if fake is not None else contextlib.nullcontext
-    with dispatch.kernels_enabled(False), _real_strided_shard_offsets():
+    with dispatch.kernels_enabled(False), _fake_world_patches():
         model, precision, parallel, optimizers = build_parallel_model(
             cfg, topology if topology is not None and topology.world_size > 1 else None, device,
             storage=storage)
@@ -160,7 +201,9 @@ def run_dry(cfg: TrainConfig) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     topology = Topology.from_config(run_cfg.parallel, world, run_cfg.model).initialize("cpu")
     try:
-        measured = measure_step(run_cfg, topology, FakeTensorMode(allow_non_fake_inputs=True))
+        with _gpu_sized_tiles():
+            measured = measure_step(run_cfg, topology,
+                                    FakeTensorMode(allow_non_fake_inputs=True))
         layout = topology.describe()
     finally:
         topology.destroy()

@@ -25,6 +25,15 @@ from parallel.context_parallel import (
     shard_batch,
 )
 from parallel.data_parallel import fill_missing_gradients
+from tests.helpers.context_parallel_helpers import (
+    EXACT_TOL,
+    ROWS,
+    STATE_TOL,
+    T,
+    kda_inputs,
+    make_batch,
+    recurrent_states_entering,
+)
 from tests.helpers.static_shapes import assert_static, record
 from tests.helpers.tolerances import assert_close_rms, rel_rms
 from tests.helpers.train_helpers import (
@@ -35,15 +44,6 @@ from tests.helpers.train_helpers import (
     run_train,
     train_cmd,
     train_env,
-)
-from tests.unit.parallel.test_context_parallel import (
-    EXACT_TOL,
-    ROWS,
-    STATE_TOL,
-    T,
-    kda_inputs,
-    make_batch,
-    recurrent_states_entering,
 )
 
 # EXACT_TOL (1e-9) holds the float64 model against one process (measured worst: gradients

@@ -8,19 +8,19 @@ import torch.multiprocessing as mp
 
 from model.config import k3_tiny
 from parallel.topology import Topology
+from tests.helpers.parallel_harness import parallel_config
 from tests.helpers.tolerances import assert_close_rms
-from tests.unit.parallel.test_topology import _parallel
 
 # Layouts of 4 ranks and the meshes each must build.
 LAYOUTS_4 = [
-    (_parallel(tensor=2), [("dp", "tp")]),
-    (_parallel(data_replicate=2, data_shard="full"), [("dp_replicate", "dp_shard")]),
-    (_parallel(context=2, tensor=2), [("cp", "tp")]),
-    (_parallel(expert=2), [("edp", "ep")]),
-    (_parallel(context=2, data_replicate=2, data_shard="full"),
+    (parallel_config(tensor=2), [("dp", "tp")]),
+    (parallel_config(data_replicate=2, data_shard="full"), [("dp_replicate", "dp_shard")]),
+    (parallel_config(context=2, tensor=2), [("cp", "tp")]),
+    (parallel_config(expert=2), [("edp", "ep")]),
+    (parallel_config(context=2, data_replicate=2, data_shard="full"),
      [("dp_replicate", "dp_shard_cp"), ("dp_replicate", "dp_shard", "cp")]),
-    (_parallel(pipeline=2, tensor=2, expert=2), [("pp", "tp"), ("pp", "edp", "ep", "etp")]),
-    (_parallel(tensor=2, expert=2, expert_tensor=2), [("dp", "tp"), ("ep", "etp")]),
+    (parallel_config(pipeline=2, tensor=2, expert=2), [("pp", "tp"), ("pp", "edp", "ep", "etp")]),
+    (parallel_config(tensor=2, expert=2, expert_tensor=2), [("dp", "tp"), ("ep", "etp")]),
 ]
 
 

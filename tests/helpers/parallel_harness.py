@@ -253,6 +253,15 @@ def worst_over_ranks(errors: dict[str, dict]) -> dict[str, dict]:
     return merged
 
 
+def parallel_config(**fields) -> ParallelConfig:
+    """A ParallelConfig from keyword fields; `moonep_<name>` fields set the MoonEP config."""
+    from train.config import MoonEPConfig
+
+    moonep = {k.removeprefix("moonep_"): fields.pop(k) for k in list(fields)
+              if k.startswith("moonep_")}
+    return ParallelConfig(moonep=MoonEPConfig(**moonep), **fields)
+
+
 def layout(cfg: TrainConfig, **parallel) -> TrainConfig:
     cfg.parallel = ParallelConfig(**parallel)
     return cfg

@@ -9,9 +9,7 @@ import functools
 import pytest
 import torch
 
-from model.batch import K3Batch, VisionInput, cu_seqlens_from_lengths, segment_ids
-from model.head import IGNORE_INDEX
-from model.kda import kda_gate
+from model.batch import VisionInput, segment_ids
 from model.ops.kda import kda_chunk, kda_recurrent
 from parallel.context_parallel import (
     add_incoming_state,
@@ -20,28 +18,14 @@ from parallel.context_parallel import (
     incoming_states,
     shard_batch,
 )
+from tests.helpers.context_parallel_helpers import (
+    STATE_TOL,
+    T,
+    kda_inputs,
+    make_batch,
+    recurrent_states_entering,
+)
 from tests.helpers.tolerances import assert_close_rms
-
-T = 128
-# Documents that start exactly on a fragment edge (64, 96), end just after one (67) or just
-# before one (31: the conv halo crosses a boundary), and one that spans whole fragments
-# (31..97 covers fragments 1 and 2 of CP4).
-ROWS = [[64, 3, 29, 32], [31, 66, 31]]
-STATE_TOL = 5e-3  # KDA states and outputs against the recurrence (fla's convention)
-EXACT_TOL = 1e-9  # a float64 parallel layout against one process on the same chunk form
-
-
-def make_batch(rows=ROWS, seq_len=T, seed=0, vocab=2048) -> K3Batch:
-    """Random tokens; labels are the next token of the same document (-100 at each end)."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(4, vocab, (len(rows), seq_len), generator=gen)
-    cu = cu_seqlens_from_lengths(rows, seq_len)
-    seg = segment_ids(cu, tokens.numel()).view_as(tokens)
-    labels = torch.full_like(tokens, IGNORE_INDEX)
-    same = seg[:, 1:] == seg[:, :-1]
-    labels[:, :-1] = torch.where(same, tokens[:, 1:], IGNORE_INDEX)
-    return K3Batch(tokens, labels, cu)
-
 
 # ---- the sharder ----
 
@@ -94,37 +78,6 @@ def test_k3_train_validates_the_context_size():
 
 
 # ---- KCP state math in one process ----
-
-def kda_inputs(B=2, H=2, K=16, V=24, gate="lower_bound", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    # The gate near its slow end: states carry across fragments with a visible size.
-    g = kda_gate(torch.randn(B, T, H, K, generator=gen) - 4, torch.zeros(H), gate, -5.0)
-    beta = torch.rand(B, T, H, generator=gen)
-    return [x.requires_grad_() for x in (q, k, v, g, beta)]
-
-
-def recurrent_states_entering(inputs, cu, F):
-    """[F, B, H, K, V]: the recurrence's state of each row's document at each fragment start."""
-    B = inputs[0].shape[0]
-    L = T // F
-    seg = segment_ids(cu, B * T).view(B, T)
-    states = []
-    for f in range(F):
-        per_row = []
-        for b in range(B):
-            begin = int((seg[b] == seg[b, f * L]).nonzero()[0]) if f else f * L
-            pieces = [x.detach()[b:b + 1, begin:f * L] for x in inputs]
-            if f == 0 or pieces[0].shape[1] == 0:
-                per_row.append(torch.zeros(inputs[0].shape[2], inputs[0].shape[3],
-                                           inputs[2].shape[3]))
-            else:
-                per_row.append(kda_recurrent(*pieces, output_final_state=True)[1][0])
-        states.append(torch.stack(per_row))
-    return torch.stack(states)
-
 
 @pytest.mark.parametrize("gate, bound", [("lower_bound", -5.0), ("kimi_linear", None)])
 @pytest.mark.parametrize("F", [2, 4])

@@ -13,13 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model.config import ConfigError, k3_full, k3_tiny
 from parallel.topology import MEGATRON_ORDER, Topology
-from train.config import MoonEPConfig, ParallelConfig
-
-
-def _parallel(**kw) -> ParallelConfig:
-    moonep = {k.removeprefix("moonep_"): kw.pop(k) for k in list(kw) if k.startswith("moonep_")}
-    return ParallelConfig(moonep=MoonEPConfig(**moonep), **kw)
-
+from tests.helpers.parallel_harness import parallel_config
 
 # ---- validation, before any process group ----
 
@@ -67,20 +61,20 @@ def _parallel(**kw) -> ParallelConfig:
 ])
 def test_bad_layouts_are_rejected_naming_the_fields(kw, world, model, message):
     with pytest.raises(ConfigError) as err:
-        Topology.from_config(_parallel(**kw), world, model)
+        Topology.from_config(parallel_config(**kw), world, model)
     assert message in str(err.value)
 
 
 def test_sizes_resolve_from_the_world():
-    t = Topology.from_config(_parallel(tensor=2, data_replicate=2, data_shard="full"), 16,
+    t = Topology.from_config(parallel_config(tensor=2, data_replicate=2, data_shard="full"), 16,
                              k3_tiny())
     assert (t.pp, t.dp, t.dp_replicate, t.dp_shard, t.cp, t.tp, t.ep, t.etp, t.edp) == \
         (1, 8, 2, 4, 1, 2, 1, 1, 16)
     assert t.sequence_parallel
     # Sequence parallelism only exists over tensor-parallel ranks: ignored (off) without them.
-    assert not Topology.from_config(_parallel(), 4).sequence_parallel
-    t = Topology.from_config(_parallel(tensor=8, context=2, pipeline=8, expert=32,
-                                       expert_tensor=2), 1024, k3_full())
+    assert not Topology.from_config(parallel_config(), 4).sequence_parallel
+    t = Topology.from_config(parallel_config(tensor=8, context=2, pipeline=8, expert=32,
+                                             expert_tensor=2), 1024, k3_full())
     assert (t.dp, t.edp) == (8, 2)
     assert not t.initialized
     with pytest.raises(RuntimeError, match="initialize"):
@@ -88,7 +82,7 @@ def test_sizes_resolve_from_the_world():
 
 
 def test_symmetric_memory_transport_needs_cuda():
-    t = Topology.from_config(_parallel(moonep_transport="symm_mem"), 1)
+    t = Topology.from_config(parallel_config(moonep_transport="symm_mem"), 1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         with pytest.raises(ConfigError, match="parallel.moonep.transport='symm_mem'.*needs CUDA"):
@@ -121,12 +115,12 @@ def _oracle(t: Topology) -> dict[str, list[list[int]]]:
 
 
 LAYOUTS_1024 = {
-    "tp8-ep64-pp16": _parallel(tensor=8, expert=64, pipeline=16),
-    "tp8-cp2-pp8-ep32-etp2": _parallel(tensor=8, context=2, pipeline=8, expert=32,
-                                       expert_tensor=2),
-    "hsdp2x4-tp8-cp2-pp8-ep16-etp2": _parallel(tensor=8, context=2, pipeline=8, expert=16,
-                                               expert_tensor=2, data_replicate=2,
-                                               data_shard="full"),
+    "tp8-ep64-pp16": parallel_config(tensor=8, expert=64, pipeline=16),
+    "tp8-cp2-pp8-ep32-etp2": parallel_config(tensor=8, context=2, pipeline=8, expert=32,
+                                             expert_tensor=2),
+    "hsdp2x4-tp8-cp2-pp8-ep16-etp2": parallel_config(tensor=8, context=2, pipeline=8,
+                                                     expert=16, expert_tensor=2,
+                                                     data_replicate=2, data_shard="full"),
 }
 
 
@@ -209,7 +203,7 @@ def test_train_config_validation_uses_the_topology(overrides, world, message):
     and what no layout can do, each with the field named."""
     from train.config import TrainConfig, validate_train_config
 
-    cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg = TrainConfig(parallel=parallel_config(**overrides))
     cfg.stage.micro_batch_size = 4
     with pytest.raises(ConfigError) as err:
         validate_train_config(cfg, world)
@@ -227,7 +221,7 @@ def test_full_size_combined_layouts_pass_start_up_validation(overrides, world):
     from model.config import k3_full
     from train.config import TrainConfig, validate_train_config
 
-    cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg = TrainConfig(parallel=parallel_config(**overrides))
     cfg.model = k3_full()
     cfg.stage.seq_len, cfg.stage.micro_batch_size = 8192, 1
     data = world // (overrides["pipeline"] * overrides.get("context", 1) * overrides["tensor"])
@@ -251,7 +245,7 @@ def test_full_size_combined_layouts_pass_start_up_validation(overrides, world):
 def test_a_batch_that_does_not_split_is_refused_with_what_fits(overrides, world, message):
     from train.config import TrainConfig, validate_train_config
 
-    cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg = TrainConfig(parallel=parallel_config(**overrides))
     with pytest.raises(ConfigError) as err:
         validate_train_config(cfg, world)
     assert message in str(err.value)
@@ -263,7 +257,7 @@ def test_a_batch_that_does_not_split_is_refused_with_what_fits(overrides, world,
 def test_a_pipeline_batch_too_small_for_its_stages_names_the_global_batch_that_fits():
     from train.config import TrainConfig, validate_train_config
 
-    cfg = TrainConfig(parallel=_parallel(data=2, pipeline=2))
+    cfg = TrainConfig(parallel=parallel_config(data=2, pipeline=2))
     cfg.stage.micro_batch_size = 1
     cfg.stage.global_batch_size = 2
     with pytest.raises(ConfigError, match=r"= 1\): raise stage.global_batch_size to a "
@@ -274,9 +268,10 @@ def test_a_pipeline_batch_too_small_for_its_stages_names_the_global_batch_that_f
 def test_train_config_accepts_pipeline_layouts():
     from train.config import TrainConfig, validate_train_config
 
-    for parallel, world in ((_parallel(pipeline=2), 2), (_parallel(pipeline=2, tensor=2), 4),
-                            (_parallel(pipeline=2, pipeline_schedule="Interleaved1F1B",
-                                       virtual_stages=2), 2)):
+    for parallel, world in ((parallel_config(pipeline=2), 2),
+                            (parallel_config(pipeline=2, tensor=2), 4),
+                            (parallel_config(pipeline=2, pipeline_schedule="Interleaved1F1B",
+                                             virtual_stages=2), 2)):
         cfg = TrainConfig(parallel=parallel)
         cfg.stage.micro_batch_size = 4  # two micro-batches of the 8 rows
         assert validate_train_config(cfg, world) is cfg
@@ -285,7 +280,7 @@ def test_train_config_accepts_pipeline_layouts():
 def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():
     from train.config import TrainConfig, validate_train_config
 
-    cfg = TrainConfig(parallel=_parallel(tensor=2))
+    cfg = TrainConfig(parallel=parallel_config(tensor=2))
     cfg.stage.seq_len = 127
     with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
         validate_train_config(cfg, 2)
@@ -349,7 +344,7 @@ def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides,
     from train.config import TrainConfig, validate_train_config
 
     (spec,) = [c for c in EP_COMPOSITIONS if c["overrides"] == overrides]
-    cfg = TrainConfig(parallel=_parallel(**overrides))
+    cfg = TrainConfig(parallel=parallel_config(**overrides))
     cfg.stage.micro_batch_size = 1
     assert validate_train_config(cfg, 4) is cfg
     t = Topology.from_config(cfg.parallel, 4, cfg.model)

@@ -1,5 +1,6 @@
 """Activation checkpointing changes memory, not numbers: same loss, gradients and QB statistics."""
 
+import pytest
 import torch
 
 from model.batch import K3Batch, cu_seqlens_from_lengths
@@ -20,7 +21,12 @@ def _step(model, batch):
     return out.loss_sum.detach(), grads, stats
 
 
-def test_checkpointed_model_matches_plain_model():
+@pytest.mark.parametrize("forms", ["native", "torch"])
+def test_checkpointed_model_matches_plain_model(forms, request):
+    """With the native CPU kernels and with the torch forms (what a GPU runs): a recomputed
+    layer's backward reads each saved tensor once, as checkpointing demands."""
+    if forms == "torch":
+        request.getfixturevalue("torch_forms")
     torch.manual_seed(0)
     cfg = k3_tiny()
     plain = K3Model(cfg)
