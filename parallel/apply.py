@@ -272,7 +272,8 @@ def shard_stages(model: K3Model, topology, cfg) -> None:
                                         topology.virtual_stages, topology.pipeline_schedule))
 
 
-def _pipeline_step(model: K3Model, topology, cfg, mesh, device: torch.device) -> PipelineStep:
+def _pipeline_step(model: K3Model, topology, cfg, mesh, device: torch.device,
+                   activation_dtype: torch.dtype | None) -> PipelineStep:
     from .pipeline import PipelineStep  # see shard_stages
 
     micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * topology.dp)
@@ -283,7 +284,7 @@ def _pipeline_step(model: K3Model, topology, cfg, mesh, device: torch.device) ->
     return PipelineStep(model, *_stage_costs(cfg), topology.group("pp"),
                         topology.pipeline_schedule, topology.virtual_stages, micro_batches,
                         (cfg.stage.micro_batch_size, cfg.stage.seq_len // topology.cp), device,
-                        activations)
+                        activations, activation_dtype)
 
 
 def _data_parallel_dims(topology) -> tuple[str, ...]:
@@ -297,11 +298,13 @@ def _data_parallel_dims(topology) -> tuple[str, ...]:
 
 
 def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
-                device: torch.device | None = None) -> ParallelPlan:
+                device: torch.device | None = None,
+                activation_dtype: torch.dtype | None = None) -> ParallelPlan:
     """Applies the layout of `topology` (an initialized parallel.topology.Topology, or None for
     one process) to `model` in place, with activation checkpointing and compile from `cfg`
     (a TrainConfig). `model` may be on the meta device (then `device` is where it will be
-    materialised: the pipeline's boundary buffers are made there)."""
+    materialised: the pipeline's boundary buffers are made there). `activation_dtype`: the
+    autocast dtype (None: none), which pipeline boundaries cross in."""
     if device is None:
         device = next(model.parameters()).device
     if topology is not None and topology.etp > 1:
@@ -325,7 +328,7 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
         compile_sublayers(model)
     enable_fused_kernels(cfg.fused_kernels)
     if topology is not None and topology.pp > 1:
-        plan.pipeline = _pipeline_step(model, topology, cfg, mesh, device)
+        plan.pipeline = _pipeline_step(model, topology, cfg, mesh, device, activation_dtype)
         if plan.context is not None:
             for stage in plan.pipeline.modules:
                 stage.on_batch = plan.context.bind

@@ -154,8 +154,8 @@ class StageModule(nn.Module):
         self._model[0].run_layers(state, batch, list(self.layers.values()))
         if self.last:
             return _local(self.head(state.sources(), batch.labels)[0]).to(self.loss_dtype)
-        # Under autocast some come out in bf16: cast (losslessly) to the boundary's dtype, since
-        # the bytes land in receive buffers declared in it.
+        # In the boundary's dtype, the receive buffers' (under bf16 autocast the partial sums
+        # are bf16 already; the embedding's block is rounded to bf16 here).
         return tuple(_local(x).to(self.boundary_dtype) for x in (state.partial, *state.blocks))
 
     def _wrap(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,12 +203,15 @@ class PipelineStep:
     returns this rank's share of the step's loss (the last stage's summed token loss over
     `global_tokens`; zero elsewhere: sum it over the pipeline group, ParallelPlan.sum_over_stages);
     `eval_loss_sum(micro_batches)` runs the forwards only and returns the share of the summed
-    token loss. `activations`: see StageModule (tensor parallelism)."""
+    token loss. `activations`: see StageModule (tensor parallelism). `activation_dtype`: the
+    dtype the boundary tensors cross in (the autocast dtype: bf16 under precision=bf16, as
+    Megatron sends them); None: the parameters' (fp32 masters, float64 for fp64)."""
 
     def __init__(self, model: K3Model, layer_costs: Sequence[float], head_cost: float,
                  pp_group, schedule: str, virtual_stages: int, n_microbatches: int,
                  micro_batch: tuple[int, int], device: torch.device,
-                 activations: tuple[DeviceMesh, Placement] | None = None):
+                 activations: tuple[DeviceMesh, Placement] | None = None,
+                 activation_dtype: torch.dtype | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}: one of {list(SCHEDULES)}")
         self.pp_group = pp_group
@@ -217,10 +220,10 @@ class PipelineStep:
         self.splits, self.ids = rank_stages(layer_costs, head_cost, pp, pp_rank, virtual_stages,
                                             schedule)
         self.model = prune_to_stages(model, self.splits, self.ids)
-        # The boundary tensors cross in the parameters' dtype (fp32 masters, float64 for fp64);
-        # the loss in its compute dtype on every stage, so that the stages' sums add up.
-        self._boundary_dtype = next(self.model.parameters()).dtype
-        self._loss_dtype = compute_dtype(self._boundary_dtype)
+        # The loss crosses in its compute dtype on every stage, so that the stages' sums add up.
+        param_dtype = next(self.model.parameters()).dtype
+        self._boundary_dtype = activation_dtype or param_dtype
+        self._loss_dtype = compute_dtype(param_dtype)
         self.modules = [StageModule(self.model, self.splits[s], s == 0, s == num_stages - 1,
                                     self._boundary_dtype, self._loss_dtype, activations)
                         for s in self.ids]

@@ -150,8 +150,12 @@ class SplitTokens(ParallelStyle):
 
     def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x: DTensor,
                  token_mask: torch.Tensor | None = None) -> DTensor:
+        # The experts are not the tensor-parallel layout's (FSDP2 may have made them DTensors
+        # over the expert-data ranks: its own hooks hand their forward the gathered weights,
+        # also when activation checkpointing recomputes the layer).
         local = {name: p.to_local(grad_placements=[Partial()])
-                 for name, p in module.named_parameters() if isinstance(p, DTensor)}
+                 for name, p in module.named_parameters()
+                 if isinstance(p, DTensor) and not is_expert_parameter(p)}
         x = x.redistribute(mesh, [Shard(0)]).to_local(grad_placements=[Shard(0)])
         if token_mask is not None:  # the same rows as DTensor's Shard(0) (torch.chunk)
             token_mask = token_mask.chunk(mesh.size())[mesh.get_local_rank()]

@@ -181,7 +181,8 @@ def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: to
     shard_stages(model, topology, cfg)
     shard_experts(model, topology, cfg)
     precision = PrecisionRecipe.build(cfg.precision, device, model)
-    parallel = parallelize(model, topology, cfg, autocast=precision.autocast, device=device)
+    parallel = parallelize(model, topology, cfg, autocast=precision.autocast, device=device,
+                           activation_dtype=precision.dtype)
     with storage():
         parallel.materialize(device, cfg.seed)
     optimizers = build_optimizer(model, cfg.optim, owns=parallel.owns,

@@ -1,5 +1,6 @@
 """`k3-train ... dry_run.world_size=N dry_run.rank=R` as a user runs it: k3_small, rank 37 of
-256 (FSDP2 x TP2 x EP8), one step at 4096 tokens on fake tensors, and its dry_run.json."""
+256 (FSDP2 x TP2 x EP8), one step at 4096 tokens on fake tensors, and its dry_run.json; and a
+pipeline rank of a combined layout whose layers are recomputed in backward."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ LAYOUT = ["parallel.data_shard=full", "parallel.tensor=2", "parallel.expert=8",
           "optim.name=muon"]
 
 
-def test_k3_small_dry_run_of_one_rank_of_256(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "train.cli", "model=k3_small",
-                          f"run_dir={tmp_path}", "dry_run.world_size=256", "dry_run.rank=37",
-                          *LAYOUT], cwd=REPO, env=train_env(), capture_output=True, text=True,
-                         timeout=600)
+def _dry_run(run_dir, *overrides: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "train.cli", f"run_dir={run_dir}", *overrides],
+                         cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads((tmp_path / "dry_run.json").read_text())
+    return json.loads((run_dir / "dry_run.json").read_text())
+
+
+def test_k3_small_dry_run_of_one_rank_of_256(tmp_path):
+    result = _dry_run(tmp_path, "model=k3_small", "dry_run.world_size=256", "dry_run.rank=37",
+                      *LAYOUT)
     print({k: v for k, v in result.items() if k != "layout"})
     assert (result["world_size"], result["rank"]) == (256, 37)
     assert "rank 37: pp0 dp18 cp0 tp1 ep5" in result["layout"]
@@ -39,3 +43,16 @@ def test_k3_small_dry_run_of_one_rank_of_256(tmp_path):
                                                "all_to_all"}
     assert result["planned_memory_bytes"] > 0
     assert not (tmp_path / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_a_checkpointed_pipeline_rank_with_experts_tensor_and_fsdp2(tmp_path):
+    """PP2 x TP2 x DP4 with EP2 and FSDP2 (k3_tiny, world 16), layers recomputed in backward:
+    FSDP2 hands the experts their gathered weights in the recompute too (the tensor-parallel
+    MoE once swapped in their shards, whose shapes broke MoonEP's copy exchange)."""
+    result = _dry_run(tmp_path, "dry_run.world_size=16", "dry_run.rank=0",
+                      "parallel.data_shard=full", "parallel.expert=2", "parallel.tensor=2",
+                      "parallel.pipeline=2", "stage.micro_batch_size=1",
+                      "stage.global_batch_size=8", "optim.name=muon",
+                      "activation_checkpointing=true")
+    assert "rank 0: pp0 dp0 cp0 tp0 ep0" in result["layout"]
+    assert result["collective_calls"]["send"] == result["collective_calls"]["recv"] > 0
