@@ -42,7 +42,7 @@ STEPS = 4
 
 def _count(counts: dict) -> None:
     """Wraps torch.distributed's collectives (FSDP2 calls the *_single ones): bytes per
-    collective, int64 payloads (Quantile Balancing's counts) apart."""
+    collective, integer payloads (Quantile Balancing's counts) apart."""
     import inspect
 
     for name, (arg, label) in WRAPPED.items():
@@ -51,7 +51,8 @@ def _count(counts: dict) -> None:
 
         def wrapper(*args, _inner=inner, _label=label, _arg=arg, _sig=signature, **kwargs):
             tensor = _sig.bind(*args, **kwargs).arguments[_arg]
-            key = "QB counts (int64)" if tensor.dtype == torch.int64 else _label
+            key = (f"QB counts ({str(tensor.dtype).removeprefix('torch.')})"
+                   if not tensor.is_floating_point() else _label)
             counts[key] += tensor.numel() * tensor.element_size()
             return _inner(*args, **kwargs)
 

@@ -62,6 +62,12 @@ if TYPE_CHECKING:
     from .pipeline import PipelineStep
 
 
+def qb_count_dtype(tokens_per_step: int) -> torch.dtype:
+    """The integer dtype Quantile Balancing's counts are summed in over the ranks: a count
+    never exceeds the step's tokens, so int32 below 2**31 of them, int64 beyond."""
+    return torch.int32 if tokens_per_step < 2**31 else torch.int64
+
+
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
@@ -79,6 +85,9 @@ class ParallelPlan:
     expert_parallel: bool = False  # experts sharded (shard_experts): own gradient reductions
     # Ranks that route different tokens to the same experts (Quantile Balancing's statistics).
     balancer_group: str = "dp_cp"
+    # The dtype those counts are summed in: int32 (half of int64's bytes), which holds any count
+    # of a step below 2**31 tokens (every counted token adds at most one to a count).
+    balancer_count_dtype: torch.dtype = torch.int32
     pipeline: PipelineStep | None = None  # this rank's stages and their schedule
     # Data parallelism on plain host tensors (optim.offload=cpu): gradients summed after backward
     # by allreduce_gradients instead of FSDP2 `replicate`, whose DTensor parameters DeepSpeed's
@@ -161,8 +170,12 @@ class ParallelPlan:
     def sum_balancer_counts(self, t: torch.Tensor) -> torch.Tensor:
         """Quantile Balancing statistics over the ranks that route different tokens to the same
         experts: dp x cp (tensor-parallel ranks route the same gathered tokens), dp x cp x tp
-        under expert x tensor parallelism (each tensor-parallel rank routes its own tokens)."""
-        return _all_reduce(t, dist.ReduceOp.SUM, self._group(self.balancer_group))
+        under expert x tensor parallelism (each tensor-parallel rank routes its own tokens); in
+        `balancer_count_dtype`, returned in t's dtype."""
+        group = self._group(self.balancer_group)
+        if group is None or dist.get_world_size(group) == 1:
+            return t
+        return _all_reduce(t.to(self.balancer_count_dtype), dist.ReduceOp.SUM, group).to(t.dtype)
 
     def finish_gradients(self) -> None:
         """After backward: gradients for unreached parameters and, without data parallelism's
@@ -312,6 +325,7 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
                                   "plan not applied to k3-train yet")
     plan = ParallelPlan(model, topology)
     plan.expert_parallel = topology is not None and topology.ep > 1
+    plan.balancer_count_dtype = qb_count_dtype(cfg.stage.global_batch_size * cfg.stage.seq_len)
     mesh = None
     if topology is not None and topology.world_size > 1:
         mesh = topology.mesh(*_data_parallel_dims(topology), "tp")

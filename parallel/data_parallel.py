@@ -129,15 +129,22 @@ class ZeroOneOwnership:
     @torch.no_grad()
     def broadcast_updates(self, named_params) -> None:
         """Every parameter from its owner to the other ranks of its group (one HSDP replica's
-        shard ranks, every data-parallel rank, the expert-data ranks). `named_params`: the
+        shard ranks, every data-parallel rank, the expert-data ranks): one broadcast per owner
+        and dtype of all it updated, flattened, not one per parameter. `named_params`: the
         model's, as they are now (materialising a model built on meta replaces its parameter
         objects)."""
+        buckets: dict[tuple, list[torch.Tensor]] = {}
         for name, p in named_params:
             group = self.groups.get(name)
             if group is None or dist.get_world_size(group) == 1:
                 continue
-            src = dist.get_global_rank(group, self.owner[name])
-            dist.broadcast(_local(p), src=src, group=group)
+            local = _local(p)
+            buckets.setdefault((id(group), self.owner[name], local.dtype), [group]).append(local)
+        for (_, owner, _), (group, *tensors) in buckets.items():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
+            torch._foreach_copy_(tensors, [part.view_as(t) for part, t in
+                                           zip(flat.split([t.numel() for t in tensors]), tensors)])
 
 
 def allreduce_gradients(params: list[torch.Tensor], group, bucket_bytes: int = 64 << 20) -> None:

@@ -30,6 +30,7 @@ from model.config import K3Config
 from model.errors import ConfigError
 from model.k3 import K3Model
 from model.params import count_parameters
+from parallel.apply import qb_count_dtype
 from parallel.moonep.traffic import moe_layer_traffic
 from parallel.topology import Topology
 
@@ -154,7 +155,8 @@ def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_
             "total_gib": total / GiB}
 
 
-def data_parallel_bytes(model: K3Model, layout: Topology) -> dict[str, int]:
+def data_parallel_bytes(model: K3Model, layout: Topology,
+                        tokens_per_step: int = 0) -> dict[str, int]:
     """Bytes one rank passes to each data-parallel collective per optimizer step (the buffer of
     every call: all_reduce's and broadcast's tensor, all_gather's output, reduce_scatter's
     input; fp32 parameters and gradients), for a rank holding the root parameters (embedding,
@@ -166,7 +168,8 @@ def data_parallel_bytes(model: K3Model, layout: Topology) -> dict[str, int]:
         full        all_gather 4N + 4(N - N_root) (non-root units gather again in backward);
                     reduce_scatter 4N; HSDP adds all_reduce 4N / (dp_shard x cp) (the shards)
         expert      all_reduce 4 N_dense over dp x cp and 4 N_experts over expert-data ranks
-        QB counts   every MoE layer's int64 statistics ([E, bins + 1]), one all_reduce
+        QB counts   every MoE layer's statistics ([E, bins + 1]), one all_reduce, in int32 below
+                    2**31 tokens a step (parallel.apply.qb_count_dtype)
 
     The loss-token count, gradient norms and max logits add a few hundred bytes to all_reduce;
     tensor-parallel traffic is not data-parallel and not counted here."""
@@ -195,8 +198,10 @@ def data_parallel_bytes(model: K3Model, layout: Topology) -> dict[str, int]:
         out["reduce_scatter"] = 4 * n
         if layout.dp_replicate > 1:
             out["all_reduce"] = 4 * n / shards
-    out["QB counts (int64)"] = 8 * sum(moe.balancer.local_statistics().numel()
-                                       for moe in model.moe_layers() if moe.balancer is not None)
+    dtype = qb_count_dtype(tokens_per_step)
+    out[f"QB counts ({str(dtype).removeprefix('torch.')})"] = dtype.itemsize * sum(
+        moe.balancer.local_statistics().numel() for moe in model.moe_layers()
+        if moe.balancer is not None)
     return {k: round(v) for k, v in out.items()}
 
 
@@ -235,7 +240,8 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict
                                          cfg.stage.micro_batch_size,
                                          cfg.activation_checkpointing),
         "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
-        "data_parallel_bytes": data_parallel_bytes(model, layout),
+        "data_parallel_bytes": data_parallel_bytes(model, layout,
+                                                   cfg.stage.global_batch_size * seq),
         **({"long_context": long_context_memory(cfg.model, counts, layout, cfg.optim.name,
                                                 cfg.stage.micro_batch_size,
                                                 cfg.activation_checkpointing)}

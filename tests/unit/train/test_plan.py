@@ -163,7 +163,7 @@ def test_data_parallel_bytes_per_collective_equal_the_hand_count():
     n = sum(p.numel() for p in model.parameters())
     root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
     moe = model.moe_layers()
-    qb = 8 * len(moe) * cfg.moe.num_experts * (moe[0].balancer.bins + 1)
+    qb = 4 * len(moe) * cfg.moe.num_experts * (moe[0].balancer.bins + 1)  # int32 counts
     full = {"all_gather": 4 * n + 4 * (n - root), "reduce_scatter": 4 * n}
     cases = {
         (4, 1, "none"): {"all_reduce": 4 * n},
@@ -179,9 +179,9 @@ def test_data_parallel_bytes_per_collective_equal_the_hand_count():
         layout = Topology.from_config(ParallelConfig(data=data, data_replicate=replicate,
                                                      data_shard=shard), data, cfg)
         got = data_parallel_bytes(meta, layout)
-        assert got == {**expected, "QB counts (int64)": qb}, (data, replicate, shard, got)
+        assert got == {**expected, "QB counts (int32)": qb}, (data, replicate, shard, got)
     one = Topology.from_config(ParallelConfig(tensor=2), 2, cfg)
     assert data_parallel_bytes(meta, one) == {}  # no data-parallel ranks
     printed = _plan("parallel.data=4", "parallel.data_replicate=2",
                     "parallel.data_shard=optimizer")["data_parallel_bytes"]
-    assert printed == {"all_reduce": 4 * n, "broadcast": 4 * n, "QB counts (int64)": qb}
+    assert printed == {"all_reduce": 4 * n, "broadcast": 4 * n, "QB counts (int32)": qb}
