@@ -202,7 +202,8 @@ class ParallelPlan:
         experts under expert parallelism) at their logical shapes; None otherwise."""
         if not self.expert_parallel:
             return None
-        dims = ("ep", "edp") if self.data_parallel else ("edp", "ep")  # see ExpertShardedState
+        dims = (("ep", *_expert_data_dims(self.topology)) if self.data_parallel
+                else ("edp", "ep"))  # see ExpertShardedState
         return ExpertShardedState(self.model, self.topology.mesh(*dims))
 
     @torch.no_grad()
@@ -310,6 +311,12 @@ def _data_parallel_dims(topology) -> tuple[str, ...]:
     return ("dp_replicate", "dp_shard_cp" if topology.cp > 1 else "dp_shard")
 
 
+def _expert_data_dims(topology) -> tuple[str, ...]:
+    """FSDP2's mesh of the experts: the expert-data ranks, 2-D (replicas x shards) under
+    HSDP."""
+    return ("edp_replicate", "edp_shard") if topology.dp_replicate > 1 else ("edp",)
+
+
 def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
                 device: torch.device | None = None,
                 activation_dtype: torch.dtype | None = None) -> ParallelPlan:
@@ -355,7 +362,8 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
             # Under the pipeline each stage is FSDP2's root: the schedule runs the stages, never
             # the model's own forward.
             apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode,
-                                topology.mesh("edp") if plan.expert_parallel else None,
+                                (topology.mesh(*_expert_data_dims(topology))
+                                 if plan.expert_parallel else None),
                                 roots=plan.pipeline.modules if plan.pipeline else None)
             if plan.expert_parallel:
                 mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
@@ -376,7 +384,7 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
             partitions = [([(n, p) for n, p in params if not is_expert_parameter(p)],
                            topology.group("dp_shard_cp"))]
             if experts:
-                partitions.append((experts, topology.group("edp")))
+                partitions.append((experts, topology.group("edp_shard")))
             plan.zero = ZeroOneOwnership(partitions)
     if mesh is not None:
         plan.exchange = DTensorExchange()

@@ -112,27 +112,31 @@ class ExpertShardedState:
     dicts (get_state_dict's, keyed by parameter name) each expert tensor becomes a DTensor of
     the full [E, ...] shape, Shard(0) over the EP ranks, so a checkpoint holds every expert once
     and loads into any EP layout or one process. `mesh`: the 2-D (edp, ep) mesh when every
-    expert-data-parallel rank holds its home experts whole (replicated over edp), the (ep, edp)
-    mesh when FSDP2 shards them over the expert-data-parallel ranks too (expert e's rows: EP
-    rank outer, edp shard inner). Both methods return new dicts (the inputs may share their
+    expert-data-parallel rank holds its home experts whole (replicated over edp); when FSDP2
+    shards them over the expert-data-parallel ranks too, ep followed by FSDP2's own mesh of
+    them, (ep, edp) or under HSDP (ep, edp_replicate, edp_shard) (expert e's rows: EP rank
+    outer, FSDP2's shard inner). Both methods return new dicts (the inputs may share their
     inner dicts with the live optimizer state); the DTensors share the local tensors' storage,
     so a load fills the local shards and `unwrap` hands back this rank's tensors as they were
     (plain, or FSDP2's DTensors)."""
 
-    _PLACEMENTS = {("edp", "ep"): (Replicate(), Shard(0)), ("ep", "edp"): (Shard(0), Shard(0))}
-
     def __init__(self, model: nn.Module, mesh):
         experts = {name: p for name, p in model.named_parameters() if is_expert_parameter(p)}
         self.names = set(experts)
-        # FSDP2's mesh of the expert weights (unwrap hands their DTensors back on it), or None.
-        self.fsdp_mesh = next((p.device_mesh for p in experts.values()
-                               if isinstance(p, DTensor)), None)
-        expected = ("ep", "edp") if self.fsdp_mesh is not None else ("edp", "ep")
+        # FSDP2's mesh and placements of the expert weights (unwrap hands their DTensors back
+        # on them), or None.
+        sharded = next((p for p in experts.values() if isinstance(p, DTensor)), None)
+        self.fsdp_mesh = None if sharded is None else sharded.device_mesh
+        if sharded is None:
+            expected, self.placements = ("edp", "ep"), [Replicate(), Shard(0)]
+        else:
+            self.fsdp_placements = list(sharded.placements)
+            expected = ("ep", *self.fsdp_mesh.mesh_dim_names)
+            self.placements = [Shard(0), *self.fsdp_placements]
         if mesh.mesh_dim_names != expected:
             raise ValueError(f"ExpertShardedState needs the {expected} mesh for these experts "
                              f"(see the class docstring), got {mesh.mesh_dim_names}")
         self.mesh = mesh
-        self.placements = list(self._PLACEMENTS[expected])
         self.ep = mesh.size(mesh.mesh_dim_names.index("ep"))
 
     def _map(self, model_sd: dict, optim_sd: dict, fn) -> tuple[dict, dict]:
@@ -163,7 +167,7 @@ class ExpertShardedState:
         if self.fsdp_mesh is not None:
             def to_fsdp(t: DTensor) -> DTensor:
                 home = (t.shape[0] // self.ep, *t.shape[1:])
-                return DTensor.from_local(t.to_local(), self.fsdp_mesh, [Shard(0)],
+                return DTensor.from_local(t.to_local(), self.fsdp_mesh, self.fsdp_placements,
                                           run_check=False,
                                           shape=home, stride=contiguous_strides(home))
 

@@ -10,7 +10,7 @@ project creates process groups.
 Rank layout (fastest-varying first), per pipeline stage of tp*cp*dp = etp*ep*edp ranks:
 
     dense:   rank = tp_i + tp*(cp_i + cp*(dp_i + dp*pp_i)),  dp_i = rep_i*dp_shard + shard_i
-    experts: rank = etp_i + etp*(ep_i + ep*(edp_i + edp*pp_i))
+    experts: rank = etp_i + etp*(ep_i + ep*(edp_i + edp*pp_i)),  edp_i = rep_i*edp_shard + shard_i
 
 HSDP splits megatron's one data-parallel dimension as dp_replicate (outer) x dp_shard (inner):
 shard groups are contiguous runs of the data-parallel ranks, replica groups are strided. That is
@@ -48,16 +48,18 @@ PIPELINE_SCHEDULES = {"1F1B": (1, 1), "Interleaved1F1B": (2, None), "ZBVZeroBubb
 
 # Atomic dimensions of each family, fastest-varying first (the strides of the layout above).
 _DENSE_ATOMS = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
-_EXPERT_ATOMS = ("etp", "ep", "edp", "pp")
+_EXPERT_ATOMS = ("etp", "ep", "edp_shard", "edp_replicate", "pp")
 # Flattened dimensions: their atoms outer to inner (a flattened index lists ranks ascending).
 _COMPOSITES = {"dp": ("dp_replicate", "dp_shard"),
                "dp_cp": ("dp_replicate", "dp_shard", "cp"),
                "dp_shard_cp": ("dp_shard", "cp"),
                # Every rank of a pipeline stage: under expert x tensor parallelism each tensor-
                # parallel rank routes its own tokens, so Quantile Balancing sums over all.
-               "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp")}
+               "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
+               # The expert-data ranks: under HSDP replicas (outer) of shard groups (inner).
+               "edp": ("edp_replicate", "edp_shard")}
 DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_cp", "dp_shard_cp",
-        "dp_cp_tp", "ep", "etp", "edp")
+        "dp_cp_tp", "ep", "etp", "edp", "edp_shard", "edp_replicate")
 
 
 def _fail(path: str, value, valid: str) -> None:
@@ -223,7 +225,8 @@ class Topology:
     def _atom_sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "cp": self.cp, "dp_shard": self.dp_shard,
                 "dp_replicate": self.dp_replicate, "pp": self.pp, "etp": self.etp,
-                "ep": self.ep, "edp": self.edp}
+                "ep": self.ep, "edp_shard": self.edp // self.dp_replicate,
+                "edp_replicate": self.dp_replicate}
 
     def _strides(self, family: tuple[str, ...]) -> dict[str, int]:
         sizes, strides, stride = self._atom_sizes(), {}, 1
@@ -335,10 +338,15 @@ class Topology:
             g["dp_shard_cp"] = ps.get_data_parallel_group(with_context_parallel=True,
                                                           partial_data_parallel=True)
             g["dp_replicate"] = ps.get_inter_distributed_optimizer_instance_group()
+            # The same partial optimizer over the expert-data ranks: contiguous shard groups,
+            # and the replica groups are the dense ones (the same ranks, see above).
+            g["edp_shard"] = ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)
         else:
             g["dp_shard_cp"] = g["dp_cp"]
             # Megatron has no size-1 replica group; only this rank takes part in its own.
             g["dp_replicate"] = self._create_group([self.rank], local=True)
+            g["edp_shard"] = g["edp"]
+        g["edp_replicate"] = g["dp_replicate"]
         if self.dp_replicate == 1:
             g["dp_shard"] = g["dp"]
         elif self.cp == 1:

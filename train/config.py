@@ -242,10 +242,6 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
         if getattr(cfg.parallel, name) != 1:
             _fail(f"parallel.{name}", getattr(cfg.parallel, name),
                   f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
-    if topo.ep > 1 and topo.dp_replicate > 1:
-        _fail("parallel.data_replicate", topo.dp_replicate,
-              f"must be 1 with parallel.expert={topo.ep}: HSDP with expert parallelism is not "
-              "implemented yet (data_shard=full shards experts over all expert-data ranks)")
     if topo.ep > 1 and cfg.parallel.moonep.transport == "symm_mem":
         from parallel.moonep.transport import symm_mem_unavailable
 

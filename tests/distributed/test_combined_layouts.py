@@ -1,14 +1,15 @@
 """The combinations k3-plan proposes for k3_full's layouts: pipeline with FSDP2, with expert
 parallelism (plain, FSDP2 and ZeRO-1) and with context parallelism, expert parallelism with
-ZeRO-1, and expert x tensor x FSDP2 with activation checkpointing. On 4 gloo ranks each
-reproduces one process over 3 steps of the training loop's own build and step
-(`build_parallel_model`, `train_step`: Muon with QK-Clip on every head, AdamW, clipping, Quantile
-Balancing), in float64 within 1e-9: the loss and gradient norm of every step, every gradient
-before the first step and every parameter after the third, as logical tensors (DTensors
-gathered, home experts gathered over their ranks), each rank's own parameters (a pipeline stage
-holds its layers only), the worst rank's figure. A checkpoint moves between two of them: saved
-by PP2 x EP2 x FSDP2 after step 2, resumed by EP2 x ZeRO-1, whose third step gives the
-one-process run's loss and parameters, and whose loaded state is the saved one, bit for bit.
+ZeRO-1 and with HSDP (FSDP2 and ZeRO-1 replicas), and expert x tensor x FSDP2 with activation
+checkpointing. On 4 gloo ranks each reproduces one process over 3 steps of the training loop's
+own build and step (`build_parallel_model`, `train_step`: Muon with QK-Clip on every head, AdamW,
+clipping, Quantile Balancing), in float64 within 1e-9: the loss and gradient norm of every step,
+every gradient before the first step and every parameter after the third, as logical tensors
+(DTensors gathered, home experts gathered over their ranks), each rank's own parameters (a
+pipeline stage holds its layers only), the worst rank's figure. A checkpoint moves between two
+of them: saved by PP2 x EP2 x FSDP2 after step 2, resumed by EP2 x ZeRO-1, whose third step
+gives the one-process run's loss and parameters, and whose loaded state is the saved one, bit
+for bit.
 
 Measured (float64, worst rank and tensor): losses 1.2e-16, gradients 7e-15, parameters 2e-13."""
 
@@ -42,6 +43,9 @@ LAYOUTS = {
     "pp2_ep2_zero1": dict(pipeline=2, data=2, expert=2, data_shard="optimizer"),
     "pp2_cp2": dict(pipeline=2, context=2),
     "ep2_zero1": dict(data=4, expert=2, data_shard="optimizer"),
+    # HSDP: replicas of FSDP2 (ZeRO-1) shard groups, the experts' among the expert-data ranks
+    "ep2_hsdp2": dict(data=4, data_replicate=2, expert=2, data_shard="full"),
+    "ep2_hsdp2_zero1": dict(data=4, data_replicate=2, expert=2, data_shard="optimizer"),
     # Checkpointed layers recompute the MoE in backward: FSDP2 hands the experts their gathered
     # weights there too.
     "ep2_tp2_fsdp2_checkpointed": dict(data=2, expert=2, tensor=2, data_shard="full",

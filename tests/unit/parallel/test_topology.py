@@ -110,6 +110,11 @@ def _oracle(t: Topology) -> dict[str, list[list[int]]]:
         "dp_replicate": [g[i::t.dp_shard] for g in dp for i in range(t.dp_shard)],
         "ep": expert.get_ranks("ep"), "etp": expert.get_ranks("tp"),
         "edp": expert.get_ranks("dp"),
+        # the expert-data ranks split the same way: shard runs, replicas strided
+        "edp_shard": [g[i:i + t.edp // t.dp_replicate] for g in expert.get_ranks("dp")
+                      for i in range(0, len(g), t.edp // t.dp_replicate)],
+        "edp_replicate": [g[i::t.edp // t.dp_replicate] for g in expert.get_ranks("dp")
+                          for i in range(t.edp // t.dp_replicate)],
     }
     return {name: sorted(g) for name, g in groups.items()}
 
@@ -190,8 +195,6 @@ def test_a_1024_rank_layout_initialises_on_the_fake_process_group(name):
                                "parallelism"),
     (dict(expert=2, moonep_transport="symm_mem"), 2,
      "parallel.moonep.transport='symm_mem' is invalid: needs CUDA (torch symmetric memory)"),
-    (dict(expert=2, data_shard="full", data_replicate=2), 4,
-     "parallel.data_replicate=2 is invalid: must be 1 with parallel.expert=2"),
     # global batch 8 in micro-batches of 4 rows
     (dict(pipeline=2, data=2), 4, "stage.global_batch_size=8 is invalid: must give at least 2 "
                                   "micro-batches per data-parallel rank"),
@@ -199,8 +202,8 @@ def test_a_1024_rank_layout_initialises_on_the_fake_process_group(name):
      "must give at least 4 micro-batches"),
 ])
 def test_train_config_validation_uses_the_topology(overrides, world, message):
-    """What k3-train still refuses (expert tensor parallelism, HSDP under expert parallelism)
-    and what no layout can do, each with the field named."""
+    """What k3-train still refuses (expert tensor parallelism) and what no layout can do, each
+    with the field named."""
     from train.config import TrainConfig, validate_train_config
 
     cfg = TrainConfig(parallel=parallel_config(**overrides))
