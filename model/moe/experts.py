@@ -13,7 +13,8 @@ from model.activations import situ_glu_halves
 from model.init import Normal, Rule, reset_
 
 FakeQuant = Callable[[torch.Tensor], torch.Tensor]
-GroupWeights = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+GroupWeights = Callable[[torch.Tensor, torch.Tensor, torch.dtype],
+                        tuple[torch.Tensor, torch.Tensor]]
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -39,8 +40,9 @@ class GroupedExperts(nn.Module):
     both GEMMs; `input_fake_quant` must act row by row (MX blocks run along the last dimension),
     so that quantising a whole buffer equals quantising each expert's rows.
     `group_weights` (default None: one GEMM group per expert) is the expert-parallel seam: it
-    maps the (fake-quantised) w1, w2 this module holds to the weights of every GEMM group
-    (MoonEP appends the copies of other ranks' experts it computes this micro-batch).
+    maps the (fake-quantised) w1, w2 this module holds and the GEMM's dtype to the weights of
+    every GEMM group (MoonEP appends the copies of other ranks' experts it computes this
+    micro-batch, moved in that dtype).
     backend "grouped_mm" is the static-shape hot path; "loop" is the per-expert reference (it
     reads the group offsets on the host).
     """
@@ -74,7 +76,7 @@ class GroupedExperts(nn.Module):
         if self.weight_fake_quant is not None:
             w1, w2 = self.weight_fake_quant(w1), self.weight_fake_quant(w2)
         if self.group_weights is not None:
-            w1, w2 = self.group_weights(w1, w2)
+            w1, w2 = self.group_weights(w1, w2, dtype)
         return w1.to(dtype), w2.to(dtype)
 
     def _gemm_input(self, x: torch.Tensor) -> torch.Tensor:

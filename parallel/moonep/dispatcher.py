@@ -81,12 +81,13 @@ class MoonEPDispatcher:
         out = self.transport.combine(rows, dispatched.token_of_slot, dispatched.entry_dest)
         return out.to(expert_out.dtype)
 
-    def group_weights(self, w1: torch.Tensor,
-                      w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def group_weights(self, w1: torch.Tensor, w2: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Home experts' (w1, w2) [G, ...] -> the 2G groups' weights: home, then this
-        micro-batch's copies (fetched in fp32; cast back to the home dtype)."""
+        micro-batch's copies (moved in the GEMM's `dtype`, which they are cast to anyway; their
+        gradients return in fp32), in the home dtype."""
         if self._copied_experts is None:
             raise RuntimeError("MoonEP: the experts ran before dispatch planned the copy slots")
         copied = self._copied_experts
-        fetched = [self.transport.fetch_copies(w, copied).to(w.dtype) for w in (w1, w2)]
+        fetched = [self.transport.fetch_copies(w, copied, dtype).to(w.dtype) for w in (w1, w2)]
         return torch.cat([w1, fetched[0]]), torch.cat([w2, fetched[1]])

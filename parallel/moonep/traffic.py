@@ -2,7 +2,8 @@
 dispatch and transport: the formulas `k3-plan` prints and the benchmark reports.
 
 S tokens per rank, K experts per token, E experts on R ranks, latent width L, expert width I,
-a = bytes per activation element (2 for bf16), one expert's weights P = 3 * L * I elements.
+a = bytes per activation element (2 for bf16; copied expert weights travel in it too, their
+gradients in fp32), one expert's weights P = 3 * L * I elements.
 Collectives are counted as ring collectives (an all-gather or reduce-scatter of R blocks of n
 bytes receives (R - 1) * n per rank). The symm_mem transport moves what the routing needs, so
 its terms are the most any routing makes one rank receive ("_max").
@@ -33,7 +34,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "routing_all_gather": routing,
             "token_exchange_max": rows * lat * a,
             "combine_exchange_max": rows * lat * FP32,
-            "copy_weights_exchange_max": (e // r) * per_expert * FP32,
+            "copy_weights_exchange_max": (e // r) * per_expert * a,
         }
         backward = {
             "routing_weight_grad_reduce_scatter": others * s * k * FP32,
@@ -45,7 +46,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
             "token_exchange_max": "S*min(K, R-1)*L*a",
             "combine_exchange_max": "S*min(K, R-1)*L*4",
-            "copy_weights_exchange_max": "(E/R)*3*L*I*4",
+            "copy_weights_exchange_max": "(E/R)*3*L*I*a",
             "backward": "(R-1)*S*K*4 + S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
         }
     elif dispatch == "moonep" and transport == "collective":
@@ -55,7 +56,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "routing_all_gather": routing,
             "token_all_gather": others * s * lat * a,
             "combine_reduce_scatter": others * s * lat * FP32,
-            "copy_weights_all_to_all": 2 * others * (e // r) * relayed * FP32,
+            "copy_weights_all_to_all": 2 * others * (e // r) * relayed * a,
         }
         backward = {
             "routing_weight_grad_reduce_scatter": others * s * k * FP32,
@@ -67,7 +68,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
             "token_all_gather": "(R-1)*S*L*a",
             "combine_reduce_scatter": "(R-1)*S*L*4",
-            "copy_weights_all_to_all": "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
+            "copy_weights_all_to_all": "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*a",
             "backward": "(R-1)*S*K*4 + (R-1)*S*L*(a + 4) "
                         "+ 2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
         }

@@ -9,7 +9,9 @@ functions of exchange.py, so the two transports differ only in what they move.
   reduce-scatter, copied weights by two equal-split all-to-alls of 1/R of every expert each
   (piece j of every home expert to rank j, then from each rank j piece j of the experts each
   rank copies): about 2 (E/R) experts received per rank instead of an all-gather's E, shapes
-  still fixed. Their backward returns the copies' fp32 gradients to the owners the same way.
+  still fixed. The weights travel in the GEMM's dtype (bf16 under autocast: the values the
+  GEMM would cast them to); the backward returns the copies' gradients to the owners the same
+  way in fp32 (or wider), summed there.
 - `SymmMemTransport` (CUDA with NVSHMEM, torch symmetric memory): each token once to each rank
   holding one of its entries, results back the same way, each copied expert only to the ranks
   copying it, all with `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host
@@ -60,11 +62,13 @@ class Transport(Protocol):
         """rows [N, L] (weighted expert outputs) -> [S, L]: for each of this rank's tokens the
         sum over all ranks of the rows whose token it is. Differentiable."""
 
-    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
+    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
         """home [G, ...] this rank's experts' weights; copied_experts [R, G] every rank's copy
         slots' global expert ids (-1 unused) -> [G, ...] this rank's copies in fp32 or wider
-        (zeros where unused). Backward returns each copy's gradient, in that dtype, to its
-        owner, summed, added to the home gradient."""
+        (zeros where unused), their values rounded to and moved in `dtype` (default home's).
+        Backward returns each copy's gradient, in fp32 or wider, to its owner, summed, added to
+        the home gradient."""
 
 
 def copy_piece(numel: int, ranks: int) -> int:
@@ -93,8 +97,10 @@ class CollectiveTransport:
         return funcol.wait_tensor(funcol.reduce_scatter_single_autograd(x, "sum", 0, self.group))
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        """[R * n, ...] -> [R * n, ...]: block d to rank d, block j from rank j (equal splits)."""
-        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, None, None, self.group))
+        """[R * n, ...] -> [R * n, ...]: block d to rank d, block j from rank j (equal splits).
+        Not differentiable: its transpose is itself (see `_Moved`)."""
+        return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None,
+                                                           self.group))
 
     def _everything(self, per_rank: int, device: torch.device) -> torch.Tensor:
         """The all-gather's `sent`: every rank's every item reaches every rank."""
@@ -114,38 +120,50 @@ class CollectiveTransport:
             0, token_rows(token_of_slot, everything, num_global), rows)
         return self.reduce_scatter(per_token[:num_global])
 
-    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
+    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
         per_rank, ranks = home.shape[0], self.size
         flat = home.to(_copy_dtype(home)).reshape(per_rank, -1)
+        relay = (self.all_to_all, self.all_to_all, dtype or home.dtype)
         numel = flat.shape[1]
         piece = copy_piece(numel, ranks)
         # 1: piece j of each of this rank's experts to rank j -> piece `rank` of every expert.
         pieces = F.pad(flat, (0, piece * ranks - numel)).view(per_rank, ranks, piece)
-        every_piece = self.all_to_all(pieces.transpose(0, 1).reshape(ranks * per_rank, piece))
+        every_piece = _Moved.apply(pieces.transpose(0, 1).reshape(ranks * per_rank, piece),
+                                   *relay)
         # 2: to each rank d this rank's piece of each expert d copies (unused slots send
         # expert 0, zeroed below) -> piece j of this rank's copies from each rank j.
         everything = self._everything(per_rank, home.device)
         rows = receive_rows(everything, copied_experts // per_rank, copied_experts % per_rank,
                             copied_experts >= 0, 0)
-        got = self.all_to_all(every_piece.index_select(0, rows.reshape(-1)))
+        got = _Moved.apply(every_piece.index_select(0, rows.reshape(-1)), *relay)
         copies = got.view(ranks, per_rank, piece).transpose(0, 1).reshape(per_rank, -1)
         used = (copied_experts[self.rank] >= 0)[:, None]
         return (copies[:, :numel] * used).reshape(home.shape)
 
 
-class _Exchanged(torch.autograd.Function):
-    """exchange() forward; backward sends the gradients back along the same rows."""
+class _Moved(torch.autograd.Function):
+    """x rounded to `dtype` and moved by `forward` (copied weights travel in the GEMM's dtype
+    though kept wide for the sums of their gradients), the result in x's dtype; the gradient
+    moved back by `backward` (the transpose of `forward`) in x's own dtype, unrounded."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, rows_out, exchange):
-        ctx.save_for_backward(recv_splits)
-        ctx.rows_in, ctx.exchange = x.shape[0], exchange
-        return exchange(x, send_splits, rows_out)
+    def forward(ctx, x, forward, backward, dtype):
+        ctx.backward_move = backward
+        return forward(x.to(dtype)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        (recv_splits,) = ctx.saved_tensors
-        return ctx.exchange(grad.contiguous(), recv_splits, ctx.rows_in), None, None, None, None
+        return ctx.backward_move(grad.contiguous()), None, None, None
+
+
+def _exchanged(x: torch.Tensor, send_splits: torch.Tensor, recv_splits: torch.Tensor,
+               rows_out: int, exchange: Exchange, dtype: torch.dtype | None = None):
+    """exchange() forward (in `dtype`, default x's); backward sends the gradients back along
+    the same rows."""
+    rows_in = x.shape[0]
+    return _Moved.apply(x, lambda t: exchange(t, send_splits, rows_out),
+                        lambda g: exchange(g, recv_splits, rows_in), dtype or x.dtype)
 
 
 def symm_mem_unavailable() -> str | None:
@@ -222,7 +240,7 @@ class SymmMemTransport(CollectiveTransport):
         sent, received, rows = self._token_routes(entry_dest)
         local = torch.arange(x.shape[0], device=x.device).expand_as(sent)
         packed = _with_zero_row(x).index_select(0, pack_index(sent, local, rows, x.shape[0]))
-        got = _Exchanged.apply(packed, sent.sum(1), received.sum(1), rows, self.exchange)
+        got = _exchanged(packed, sent.sum(1), received.sum(1), rows, self.exchange)
         return _with_zero_row(got).index_select(0, token_rows(token_of_slot, received, rows))
 
     def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
@@ -231,12 +249,13 @@ class SymmMemTransport(CollectiveTransport):
         num_tokens = entry_dest.shape[1]
         per_row = rows.new_zeros(capacity + 1, rows.shape[-1]).index_add(
             0, token_rows(token_of_slot, received, capacity), rows)[:capacity]
-        back = _Exchanged.apply(per_row, received.sum(1), sent.sum(1), capacity, self.exchange)
+        back = _exchanged(per_row, received.sum(1), sent.sum(1), capacity, self.exchange)
         local = torch.arange(num_tokens, device=rows.device).expand_as(sent)
         return rows.new_zeros(num_tokens + 1, rows.shape[-1]).index_add(
             0, pack_index(sent, local, capacity, num_tokens), back)[:num_tokens]
 
-    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor) -> torch.Tensor:
+    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
         per_rank = home.shape[0]
         every = copies_sent(copied_experts, per_rank)  # [R_home, R, G]
         sent, received = every[self.rank], every[:, self.rank]
@@ -244,7 +263,8 @@ class SymmMemTransport(CollectiveTransport):
         local = copied_experts.clamp(min=0) % per_rank
         packed = _with_zero_row(home.to(_copy_dtype(home))).index_select(
             0, pack_index(sent, local, rows_in, per_rank))
-        got = _Exchanged.apply(packed, sent.sum(1), received.sum(1), per_rank, self.exchange)
+        got = _exchanged(packed, sent.sum(1), received.sum(1), per_rank, self.exchange,
+                         dtype or home.dtype)
         mine = copied_experts[self.rank]
         slots = torch.arange(per_rank, device=home.device)
         rows = receive_rows(received, mine.clamp(min=0) // per_rank, slots, mine >= 0, per_rank)

@@ -152,6 +152,13 @@ def _static_shapes(rank: int, world: int) -> None:
                                 activation_bytes=4)
     for rec in recs:
         assert received_bytes(rec, world) == traffic["total"], rec.collectives
+    # Under bf16 autocast (bf16 tokens, fp32 weights and routing weights) the copies move in
+    # bf16, their gradients in fp32: the formula with 2-byte activations.
+    with torch.autocast("cpu", torch.bfloat16):
+        rec = record(run_moe, dispatcher, experts, x[rank].bfloat16(), balanced, w[rank])
+    traffic = moe_layer_traffic(TOKENS, TOP_K, EXPERTS, world, LATENT, INTER,
+                                activation_bytes=2)
+    assert received_bytes(rec, world) == traffic["total"], rec.collectives
     dynamic = DynamicDispatcher(EXPERTS, dist.group.WORLD)
     experts = home_experts(world, rank)
     recs = [record(run_moe, dynamic, experts, x[rank], t, w[rank]) for t in routed]
