@@ -120,7 +120,7 @@ def pass_once(dispatcher, experts, x, topk, weight):
 
 def rows_computed(d, dispatch: str, world_tokens: int) -> int:
     if dispatch == "moonep":
-        return int((d.token_of_slot < world_tokens).sum())
+        return int((d.routes.token_of_slot < world_tokens).sum())
     return d.buffer.shape[0]
 
 

@@ -46,17 +46,19 @@ def receive_rows(received: torch.Tensor, peer: torch.Tensor, item: torch.Tensor,
     return torch.where(valid, rows, empty_row)
 
 
-def tokens_sent(entry_dest: torch.Tensor, rank: int) -> torch.Tensor:
-    """entry_dest [R, S, K] destination rank of every rank's entries -> [R, S] int64: 1 where
-    this rank's token i has at least one entry on rank d (it travels once to each such rank)."""
-    num_ranks, num_tokens, _ = entry_dest.shape
-    hit = torch.zeros(num_tokens, num_ranks, dtype=torch.long, device=entry_dest.device)
-    return hit.scatter(1, entry_dest[rank], 1).T
+def tokens_sent(dest: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """dest [S, K] destination rank of this rank's entries -> [R, S] int64: 1 where this
+    rank's token i has at least one entry on rank d (it travels once to each such rank)."""
+    hit = torch.zeros(dest.shape[0], num_ranks, dtype=torch.long, device=dest.device)
+    return hit.scatter(1, dest.long(), 1).T
 
 
-def tokens_received(entry_dest: torch.Tensor, rank: int) -> torch.Tensor:
-    """entry_dest [R, S, K] -> [R, S] int64: 1 where source r's token i has an entry here."""
-    return (entry_dest == rank).long().amax(-1)
+def tokens_received(token_of_entry: torch.Tensor, num_ranks: int,
+                    num_tokens: int) -> torch.Tensor:
+    """token_of_entry [n] global token r * S + i of each entry this rank computes -> [R, S]
+    int64: 1 where source r's token i has an entry here."""
+    hit = torch.zeros(num_ranks * num_tokens, dtype=torch.long, device=token_of_entry.device)
+    return hit.scatter(0, token_of_entry.long(), 1).view(num_ranks, num_tokens)
 
 
 def token_rows(token_of_slot: torch.Tensor, received: torch.Tensor,

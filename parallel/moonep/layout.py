@@ -68,25 +68,26 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.cumsum(dim) - x
 
 
-def entry_slots(plan: MoonEPPlan, layout: SlotLayout,
-                experts_of_entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts_of_entries [R, S*K] (every rank's topk_idx, flattened row-major) ->
-    (destination rank, buffer row on that rank), both [R, S*K] int64."""
-    num_ranks, num_entries = experts_of_entries.shape
-    num_experts = plan.alloc.shape[0]
+def entry_slots(plan: MoonEPPlan, layout: SlotLayout, experts_of_entries: torch.Tensor,
+                tokens_per_expert: torch.Tensor,
+                rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts_of_entries [S*K] (source rank `rank`'s topk_idx, flattened row-major),
+    tokens_per_expert [R, E] (every rank's counts, as planned) -> (destination rank, buffer row
+    on that rank), both [S*K] int64. Only this rank's entries are sorted: the entries of other
+    ranks enter through their counts."""
+    num_ranks, num_experts = tokens_per_expert.shape
+    num_entries = experts_of_entries.shape[0]
     per_rank = plan.experts_per_rank
     device = experts_of_entries.device
     expert = experts_of_entries.long()
+    counts = tokens_per_expert.long()
     # Rank of each entry among its expert's entries on its source rank (stable sort by expert).
-    order = torch.argsort(expert, dim=1, stable=True)
-    sorted_expert = expert.gather(1, order)
-    counts = torch.zeros(num_ranks, num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(1, expert, torch.ones_like(expert))
-    run_start = _exclusive_cumsum(counts, 1).gather(1, sorted_expert)
-    rank_in_source = torch.empty_like(order)
-    rank_in_source.scatter_(1, order, torch.arange(num_entries, device=device) - run_start)
+    order = torch.argsort(expert, stable=True)
+    run_start = _exclusive_cumsum(counts[rank], 0).index_select(0, expert.index_select(0, order))
+    rank_in_source = torch.empty_like(order).scatter_(
+        0, order, torch.arange(num_entries, device=device) - run_start)
     # ... then among all its expert's entries, source ranks in ascending order.
-    global_index = _exclusive_cumsum(counts, 0).gather(1, expert) + rank_in_source
+    global_index = _exclusive_cumsum(counts, 0)[rank].index_select(0, expert) + rank_in_source
 
     # Destination: the first rank whose cut of the expert's sequence ends past the entry. One
     # searchsorted over every expert's cut ends, each row offset past the previous one's.

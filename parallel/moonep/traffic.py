@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from parallel.moonep.transport import copy_piece
 
-INT64, FP32 = 8, 4
+INT32, INT64, FP32 = 4, 8, 4
 
 
 def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent: int,
@@ -23,37 +23,42 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
     s, k, e, r, lat, a = tokens, top_k, experts, ranks, latent, activation_bytes
     per_expert = 3 * latent * intermediate
     others = r - 1
-    routing = others * (e + s * k) * INT64 + others * s * k * FP32
+    counts = others * e * INT32  # every rank's tokens per expert, for the plan
     if dispatch == "moonep" and transport == "symm_mem":
-        # A token travels once to each other rank holding one of its entries, and its result
-        # back: at most S*min(K, R-1) rows either way; a rank's copies come from their home, at
-        # most E/R; a home gets back the gradients of every copy of its experts, at most
-        # (R-1)*E/R.
+        # Each entry's token id and row (2 x int32) and routing weight go to the rank computing
+        # it: at most S*K entries. A token travels once to each other rank holding one of its
+        # entries, and its result back: at most S*min(K, R-1) rows either way; a rank's copies
+        # come from their home, at most E/R; a home gets back the gradients of every copy of its
+        # experts, at most (R-1)*E/R.
         rows = s * min(k, others)
         forward = {
-            "routing_all_gather": routing,
+            "counts_all_gather": counts,
+            "routing_exchange_max": s * k * (2 * INT32 + FP32),
             "token_exchange_max": rows * lat * a,
             "combine_exchange_max": rows * lat * FP32,
             "copy_weights_exchange_max": (e // r) * per_expert * a,
         }
         backward = {
-            "routing_weight_grad_reduce_scatter": others * s * k * FP32,
+            "routing_weight_grad_exchange_max": s * k * FP32,
             "token_grad_exchange_max": rows * lat * a,
             "combine_grad_exchange_max": rows * lat * FP32,
             "copy_grad_exchange_max": others * (e // r) * per_expert * FP32,
         }
         formula = {
-            "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
+            "counts_all_gather": "(R-1)*E*4",
+            "routing_exchange_max": "S*K*(2*4 + 4)",
             "token_exchange_max": "S*min(K, R-1)*L*a",
             "combine_exchange_max": "S*min(K, R-1)*L*4",
             "copy_weights_exchange_max": "(E/R)*3*L*I*a",
-            "backward": "(R-1)*S*K*4 + S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
+            "backward": "S*K*4 + S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
         }
     elif dispatch == "moonep" and transport == "collective":
         # Each rank relays 1/R of every w1 [2I, L] and w2 [L, I] (transport.copy_piece).
         relayed = copy_piece(2 * intermediate * latent, r) + copy_piece(latent * intermediate, r)
         forward = {
-            "routing_all_gather": routing,
+            "counts_all_gather": counts,
+            # every entry's destination and row (int32) and routing weight
+            "routing_all_gather": others * s * k * (INT32 + FP32),
             "token_all_gather": others * s * lat * a,
             "combine_reduce_scatter": others * s * lat * FP32,
             "copy_weights_all_to_all": 2 * others * (e // r) * relayed * a,
@@ -65,7 +70,8 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
             "copy_grad_all_to_all": 2 * others * (e // r) * relayed * FP32,
         }
         formula = {
-            "routing_all_gather": "(R-1)*((E + S*K)*8 + S*K*4)",
+            "counts_all_gather": "(R-1)*E*4",
+            "routing_all_gather": "(R-1)*S*K*(4 + 4)",
             "token_all_gather": "(R-1)*S*L*a",
             "combine_reduce_scatter": "(R-1)*S*L*4",
             "copy_weights_all_to_all": "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*a",

@@ -1,10 +1,13 @@
 """How MoonEP moves data between expert-parallel ranks: one small interface, two transports.
 
 Every call has shapes fixed by (S, K, E, R) alone, never by the routing, so no rank needs to
-know on the host how much it will receive. Where each row goes is computed by the shared
-functions of exchange.py, so the two transports differ only in what they move.
+know on the host how much it will receive. Each rank computes the destination and slot of its
+own S*K entries (layout.entry_slots); `route` tells every rank which entries fill its slots.
+Where each row goes is computed by the shared functions of exchange.py, so the two transports
+differ only in what they move.
 
-- `CollectiveTransport` (portable: gloo, NCCL; the reference and the CPU/CI path): tokens by an
+- `CollectiveTransport` (portable: gloo, NCCL; the reference and the CPU/CI path): routes by an
+  all-gather of every entry's destination and slot (int32) and routing weight, tokens by an
   all-gather of the latent rows and a local selection, results by a local scatter-add and a
   reduce-scatter, copied weights by two equal-split all-to-alls of 1/R of every expert each
   (piece j of every home expert to rank j, then from each rank j piece j of the experts each
@@ -12,9 +15,10 @@ functions of exchange.py, so the two transports differ only in what they move.
   still fixed. The weights travel in the GEMM's dtype (bf16 under autocast: the values the
   GEMM would cast them to); the backward returns the copies' gradients to the owners the same
   way in fp32 (or wider), summed there.
-- `SymmMemTransport` (CUDA with NVSHMEM, torch symmetric memory): each token once to each rank
-  holding one of its entries, results back the same way, each copied expert only to the ranks
-  copying it, all with `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host
+- `SymmMemTransport` (CUDA with NVSHMEM, torch symmetric memory): O(S*K) per rank whatever R:
+  each entry's token id, slot and routing weight to the rank computing it, each token once to
+  each rank holding one of its entries, results back the same way, each copied expert only to
+  the ranks copying it, all with `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host
   sync) into static buffers of the worst-case size. Written against the collective transport's
   tests; not yet run on a GPU.
 """
@@ -22,6 +26,7 @@ functions of exchange.py, so the two transports differ only in what they move.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -43,6 +48,16 @@ from parallel.moonep.exchange import (
 Exchange = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
+@dataclass
+class Routes:
+    """Which entries fill this rank's N buffer rows, and which tokens travel where."""
+    token_of_slot: torch.Tensor  # [N] int64 global token r * S + i of each row (R * S: empty)
+    slot_weight: torch.Tensor  # [N] routing weight of each row's entry (0: empty)
+    sent: torch.Tensor  # [R, S] int64 0/1: this rank's token i travels to rank d
+    received: torch.Tensor  # [R, S] int64 0/1: source r's token i travels here
+    top_k: int
+
+
 class Transport(Protocol):
     group: dist.ProcessGroup
     rank: int
@@ -51,14 +66,15 @@ class Transport(Protocol):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] -> [R * n, ...], rank-major, differentiable (small metadata)."""
 
-    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor,
-                 entry_dest: torch.Tensor) -> torch.Tensor:
-        """x [S, L] this rank's tokens; token_of_slot [N] global token r * S + i of each buffer
-        row (R * S: an empty row); entry_dest [R, S, K] the destination rank of every rank's
-        entries -> buffer [N, L]. Differentiable in x."""
+    def route(self, dest: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
+              num_slots: int) -> Routes:
+        """dest, slot [S, K] int64 the destination rank and buffer row of this rank's entries,
+        weight [S, K] their routing weights (differentiable) -> this rank's Routes."""
 
-    def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
-                entry_dest: torch.Tensor) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """x [S, L] this rank's tokens -> buffer [N, L]. Differentiable in x."""
+
+    def combine(self, rows: torch.Tensor, routes: Routes) -> torch.Tensor:
         """rows [N, L] (weighted expert outputs) -> [S, L]: for each of this rank's tokens the
         sum over all ranks of the rows whose token it is. Differentiable."""
 
@@ -106,18 +122,33 @@ class CollectiveTransport:
         """The all-gather's `sent`: every rank's every item reaches every rank."""
         return torch.ones(self.size, per_rank, dtype=torch.long, device=device)
 
-    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor,
-                 entry_dest: torch.Tensor) -> torch.Tensor:
-        everything = self._everything(x.shape[0], x.device)
-        rows = token_rows(token_of_slot, everything, everything.numel())
+    def route(self, dest: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
+              num_slots: int) -> Routes:
+        num_tokens, top_k = dest.shape
+        all_entries = self.size * num_tokens * top_k
+        # Every entry's (destination, row) as one int32: R * N rows fit (N is about S*K).
+        where = self.all_gather((dest * num_slots + slot).view(-1).to(torch.int32)).long()
+        weights = torch.cat([self.all_gather(weight.reshape(-1)), weight.new_zeros(1)])
+        # This rank's rows: entry ids scattered to their slots; other ranks' entries go to
+        # distinct dump positions past the buffer, so every index is written once.
+        entry_ids = torch.arange(all_entries, device=dest.device)
+        mine = where // num_slots == self.rank
+        target = torch.where(mine, where % num_slots, num_slots + entry_ids)
+        entry_of_slot = torch.full((num_slots + all_entries,), all_entries, dtype=torch.long,
+                                   device=dest.device).scatter(0, target, entry_ids)[:num_slots]
+        everything = self._everything(num_tokens, dest.device)
+        return Routes(token_of_slot=entry_of_slot // top_k,  # the empty marker maps to R * S
+                      slot_weight=weights.index_select(0, entry_of_slot),
+                      sent=everything, received=everything, top_k=top_k)
+
+    def dispatch(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        rows = token_rows(routes.token_of_slot, routes.received, routes.received.numel())
         return _with_zero_row(self.all_gather(x)).index_select(0, rows)
 
-    def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
-                entry_dest: torch.Tensor) -> torch.Tensor:
-        everything = self._everything(entry_dest.shape[1], rows.device)
-        num_global = everything.numel()
+    def combine(self, rows: torch.Tensor, routes: Routes) -> torch.Tensor:
+        num_global = routes.received.numel()
         per_token = rows.new_zeros(num_global + 1, rows.shape[-1]).index_add(
-            0, token_rows(token_of_slot, everything, num_global), rows)
+            0, token_rows(routes.token_of_slot, routes.received, num_global), rows)
         return self.reduce_scatter(per_token[:num_global])
 
     def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor,
@@ -227,28 +258,52 @@ class SymmMemTransport(CollectiveTransport):
         super().__init__(group)
         self.exchange = exchange if exchange is not None else NvshmemExchange(group)
 
-    def _token_routes(self, entry_dest: torch.Tensor):
-        """(what this rank sends, what it receives, rows of either buffer): a token reaches at
-        most min(K, R) ranks, and a rank receives at most its S*K entries' tokens, at most S
-        from each of the R ranks."""
-        num_ranks, num_tokens, top_k = entry_dest.shape
-        return (tokens_sent(entry_dest, self.rank), tokens_received(entry_dest, self.rank),
-                num_tokens * min(top_k, num_ranks))
+    def route(self, dest: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
+              num_slots: int) -> Routes:
+        # Each entry to the rank computing it: its global token and row there (int32), and its
+        # routing weight. Every rank computes exactly S*K entries, so every received row is one.
+        num_tokens, top_k = dest.shape
+        entries = num_tokens * top_k
+        order = torch.argsort(dest.view(-1), stable=True)  # this rank's entries only
+        send_splits = torch.zeros(self.size, dtype=torch.long, device=dest.device).index_add_(
+            0, dest.view(-1), torch.ones_like(order))
+        token = self.rank * num_tokens + torch.arange(entries, device=dest.device) // top_k
+        meta = torch.stack([token, slot.view(-1)], 1).index_select(0, order).to(torch.int32)
+        got = self.exchange(meta, send_splits, entries).long()
+        recv_splits = torch.zeros_like(send_splits).index_add_(
+            0, got[:, 0] // num_tokens, torch.ones_like(order))
+        weights = _exchanged(weight.reshape(-1).index_select(0, order), send_splits,
+                             recv_splits, entries, self.exchange)
+        entry_of_slot = torch.full((num_slots,), entries, dtype=torch.long,
+                                   device=dest.device).scatter(0, got[:, 1], torch.arange(
+                                       entries, device=dest.device))
+        empty = torch.tensor([self.size * num_tokens], device=dest.device)
+        return Routes(token_of_slot=torch.cat([got[:, 0], empty]).index_select(0, entry_of_slot),
+                      slot_weight=_with_zero_row(weights).index_select(0, entry_of_slot),
+                      sent=tokens_sent(dest, self.size),
+                      received=tokens_received(got[:, 0], self.size, num_tokens),
+                      top_k=top_k)
 
-    def dispatch(self, x: torch.Tensor, token_of_slot: torch.Tensor,
-                 entry_dest: torch.Tensor) -> torch.Tensor:
-        sent, received, rows = self._token_routes(entry_dest)
+    @staticmethod
+    def _capacity(routes: Routes) -> int:
+        """Rows of either token buffer: a rank sends a token to at most min(K, R) ranks and
+        receives at most its S*K entries' tokens, at most S from each of the R ranks; the
+        worst case whatever the routing (the symmetric buffers are allocated once)."""
+        return routes.sent.shape[1] * min(routes.top_k, routes.sent.shape[0])
+
+    def dispatch(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        sent, received, rows = routes.sent, routes.received, self._capacity(routes)
         local = torch.arange(x.shape[0], device=x.device).expand_as(sent)
         packed = _with_zero_row(x).index_select(0, pack_index(sent, local, rows, x.shape[0]))
         got = _exchanged(packed, sent.sum(1), received.sum(1), rows, self.exchange)
-        return _with_zero_row(got).index_select(0, token_rows(token_of_slot, received, rows))
+        return _with_zero_row(got).index_select(0, token_rows(routes.token_of_slot, received,
+                                                              rows))
 
-    def combine(self, rows: torch.Tensor, token_of_slot: torch.Tensor,
-                entry_dest: torch.Tensor) -> torch.Tensor:
-        sent, received, capacity = self._token_routes(entry_dest)
-        num_tokens = entry_dest.shape[1]
+    def combine(self, rows: torch.Tensor, routes: Routes) -> torch.Tensor:
+        sent, received, capacity = routes.sent, routes.received, self._capacity(routes)
+        num_tokens = sent.shape[1]
         per_row = rows.new_zeros(capacity + 1, rows.shape[-1]).index_add(
-            0, token_rows(token_of_slot, received, capacity), rows)[:capacity]
+            0, token_rows(routes.token_of_slot, received, capacity), rows)[:capacity]
         back = _exchanged(per_row, received.sum(1), sent.sum(1), capacity, self.exchange)
         local = torch.arange(num_tokens, device=rows.device).expand_as(sent)
         return rows.new_zeros(num_tokens + 1, rows.shape[-1]).index_add(

@@ -124,7 +124,7 @@ def _matches_local_dispatcher(rank: int, world: int) -> None:
             assert_close_rms(expected, value, TOL, f"{label} ({what})")
         # Exactly S*K occupied rows on every rank, in a buffer of fixed size.
         assert d.buffer.shape == (TOKENS * TOP_K + 2 * per_rank * (alignment - 1), LATENT)
-        occupied = int((d.token_of_slot < world * TOKENS).sum())
+        occupied = int((d.routes.token_of_slot < world * TOKENS).sum())
         assert occupied == TOKENS * TOP_K, f"{what}: {occupied} rows"
         assert int(d.plan.alloc[:, rank].sum()) == TOKENS * TOP_K
         assert d.group_ends.shape == (2 * per_rank,)

@@ -56,7 +56,11 @@ def test_tokens_travel_once_to_each_rank_holding_an_entry(ranks, tokens, top_k, 
     if seed % 2:  # every entry of every rank on rank 0
         entry_dest.zero_()
     for rank in range(ranks):
-        sent, received = tokens_sent(entry_dest, rank), tokens_received(entry_dest, rank)
+        # What rank computes: the global token of each entry sent to it (a token may repeat).
+        token_of_entry = (torch.arange(ranks * tokens)[:, None]
+                          .expand(-1, top_k)[entry_dest.view(-1, top_k) == rank])
+        sent = tokens_sent(entry_dest[rank], ranks)
+        received = tokens_received(token_of_entry, ranks, tokens)
         for d in range(ranks):
             for i in range(tokens):
                 assert sent[d, i] == int(d in entry_dest[rank, i].tolist())

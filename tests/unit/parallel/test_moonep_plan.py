@@ -122,9 +122,12 @@ def check_slots(topk: torch.Tensor, num_experts: int, top_k: int, alignment: int
     expert's (home or copy) group, groups padded, entries in (source rank, token, k) order."""
     ranks, entries = topk.shape
     per_rank = num_experts // ranks
-    plan = plan_moonep(counts_from_routing(topk, num_experts), top_k, alignment)
+    counts = counts_from_routing(topk, num_experts)
+    plan = plan_moonep(counts, top_k, alignment)
     layout = slot_layout(plan, entries)
-    dest, slot = entry_slots(plan, layout, topk)
+    # Each source rank places its own entries, knowing the others' counts only.
+    dest, slot = map(torch.stack, zip(*(entry_slots(plan, layout, topk[r], counts, r)
+                                        for r in range(ranks))))
     rows = num_slots(entries, per_rank, alignment)
     assert layout.num_slots == rows and (layout.group_ends[:, -1] == rows).all()
     starts, ends = layout.group_starts, layout.group_ends

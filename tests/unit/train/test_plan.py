@@ -73,14 +73,21 @@ def test_plan_of_the_full_model_on_a_large_layout(full_model_plans):
     assert (traffic["tokens_per_rank"], traffic["ranks"]) == (8192, 64)
     moonep = traffic["moonep_collective"]
     assert moonep["forward"]["token_all_gather"] == 63 * 8192 * 3584 * 2
-    # Two all-to-alls, each relaying 1/64 of w1 [6144, 3584] and w2 [3584, 3072] per expert.
+    # Two all-to-alls, each relaying 1/64 of w1 [6144, 3584] and w2 [3584, 3072] per expert,
+    # in bf16; their gradients in fp32.
     relayed = 6144 * 3584 // 64 + 3584 * 3072 // 64
-    assert moonep["forward"]["copy_weights_all_to_all"] == 2 * 63 * 14 * relayed * 4
+    assert moonep["forward"]["copy_weights_all_to_all"] == 2 * 63 * 14 * relayed * 2
+    assert moonep["backward"]["copy_grad_all_to_all"] == 2 * 63 * 14 * relayed * 4
+    # The plan's counts (int32 [E]) and every entry's row (int32) and weight (fp32).
+    assert moonep["forward"]["counts_all_gather"] == 63 * 896 * 4
+    assert moonep["forward"]["routing_all_gather"] == 63 * 8192 * 16 * 8
     assert moonep["formula"]["token_all_gather"] == "(R-1)*S*L*a"
     assert traffic["dynamic"]["forward"]["dispatch_all_to_all"] == 8192 * 16 * 63 // 64 * 3584 * 2
     symm_mem = traffic["moonep_symm_mem"]  # worst cases: K = 16 < R - 1 = 63
     assert symm_mem["forward"]["token_exchange_max"] == 8192 * 16 * 3584 * 2
-    assert symm_mem["forward"]["copy_weights_exchange_max"] == 14 * 3 * 3584 * 3072 * 4
+    assert symm_mem["forward"]["copy_weights_exchange_max"] == 14 * 3 * 3584 * 3072 * 2
+    # O(S*K) whatever R: each entry's token, row and weight to the rank computing it.
+    assert symm_mem["forward"]["routing_exchange_max"] == 8192 * 16 * 12
     assert symm_mem["backward"]["copy_grad_exchange_max"] == 63 * 14 * 3 * 3584 * 3072 * 4
 
 
