@@ -42,7 +42,10 @@ def apply_expert_parallel(model: K3Model, ep_group: dist.ProcessGroup, dispatch:
     if transport not in TRANSPORTS:
         raise ValueError(f"parallel.moonep.transport={transport!r} is invalid: one of "
                          f"{tuple(TRANSPORTS)}")
-    if transport == "symm_mem" and (reason := symm_mem_unavailable()) is not None:
+    # A dry run (the fake process group) models the GPU job: its stand-in exchange needs no
+    # device.
+    if (transport == "symm_mem" and dist.get_backend(ep_group) != "fake"
+            and (reason := symm_mem_unavailable()) is not None):
         raise ValueError(f"parallel.moonep.transport='symm_mem' {reason}: use collective")
     ranks, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for moe in model.moe_layers():

@@ -299,7 +299,8 @@ class Topology:
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"the world has {dist.get_world_size()} ranks but the layout was "
                               f"validated for {self.world_size}")
-        if self.moonep_transport == "symm_mem" and device_type != "cuda":
+        if (self.moonep_transport == "symm_mem" and device_type != "cuda"
+                and dist.get_backend() != "fake"):  # a dry run's stand-in needs no device
             _fail("parallel.moonep.transport", "symm_mem",
                   f"needs CUDA (symmetric memory); device is {device_type}: use collective")
         if ps.model_parallel_is_initialized():

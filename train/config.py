@@ -242,7 +242,9 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
         if getattr(cfg.parallel, name) != 1:
             _fail(f"parallel.{name}", getattr(cfg.parallel, name),
                   f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
-    if topo.ep > 1 and cfg.parallel.moonep.transport == "symm_mem":
+    # A dry run models the GPU job on the CPU (its exchange is a stand-in).
+    if (topo.ep > 1 and cfg.parallel.moonep.transport == "symm_mem"
+            and not cfg.dry_run.world_size):
         from parallel.moonep.transport import symm_mem_unavailable
 
         if (reason := symm_mem_unavailable()) is not None:

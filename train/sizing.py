@@ -8,10 +8,11 @@ parallel layout, from the same configs as `k3-train`.
 same layout, and whether each fits an H200 (141 GB, 10% kept free).
 
 The model is built on the meta device (no memory, no time), so the counts are the real module's.
-Memory is an estimate: bf16 weights, fp32 master weights and gradients, optimizer states (AdamW 2,
-Muon 1 fp32 per parameter) sharded ZeRO-1 style over the data-parallel ranks of each parameter
-within one HSDP replica, and activations from the tensors the modules save for backward, traced
-on the meta device (see activation_bytes). Data-parallel traffic: the bytes one rank hands to
+Memory is an estimate: fp32 weights as the step holds them (whole; FSDP2's gathered, which a
+pipeline stage keeps through its micro-batches), fp32 gradients, FSDP2's fp32 master shards and
+the optimizer states (AdamW 2, Muon 1 fp32 per parameter), sharded (ZeRO-1 or FSDP2) over the
+data-parallel ranks of each parameter within one HSDP replica, and activations from the tensors
+the modules save for backward, traced on the meta device (see activation_bytes). Data-parallel traffic: the bytes one rank hands to
 each collective per optimizer step (see data_parallel_bytes; benchmarks/parallel_overhead.py
 counts them).
 """
@@ -143,11 +144,18 @@ def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_
     dense_local = dense / (layout.tp * layout.pp)
     expert_local = routed / (layout.ep * layout.etp * layout.pp)
     states = 2 if optimizer == "adamw" else 1  # Muon: one momentum buffer (AdamW on the rest)
-    weights = 2 * (dense_local + expert_local)  # bf16 compute copies
+    # The parameters are fp32 (autocast's bf16 copies live for one operator); FSDP2 gathers
+    # them in fp32, and under the pipeline a stage keeps them gathered (and its gradients
+    # unsharded) until the step's last micro-batch.
+    weights = 4 * (dense_local + expert_local)
     grads = 4 * (dense_local + expert_local)  # fp32 gradient accumulation
-    # Sharded within a replica: HSDP's replicas each hold the whole state.
-    master_and_states = (4 + 4 * states) * (dense_local / layout.dp_shard + expert_local
-                                            / (layout.edp // layout.dp_replicate))
+    # Sharded within a replica: HSDP's replicas each hold the whole state. FSDP2 keeps the
+    # fp32 parameters' shards besides (the master weights); otherwise the parameters are them.
+    master = 4 if layout.data_shard == "full" else 0
+    sharded = (dense_local + expert_local if layout.data_shard == "none"
+               else dense_local / layout.dp_shard + expert_local
+               / (layout.edp // layout.dp_replicate))
+    master_and_states = (master + 4 * states) * sharded
     acts = activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing, fitted)
     total = weights + grads + master_and_states + acts
     return {"weights_gib": weights / GiB, "grads_gib": grads / GiB,

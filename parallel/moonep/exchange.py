@@ -7,7 +7,7 @@ peer. A buffer holds the sent items block by block, peers in rank order, items i
 `block_rows(sent)` is each item's row there. The collective transport sends every item to
 every rank (its token all-gather and its relay of every expert's pieces: `sent` all ones, rows =
 global ids); the symmetric-memory transport sends a token once to each rank holding one of its
-entries and an expert only to the ranks copying it.
+entries.
 """
 
 from __future__ import annotations
@@ -68,12 +68,3 @@ def token_rows(token_of_slot: torch.Tensor, received: torch.Tensor,
     num_tokens = received.shape[1]
     return receive_rows(received, token_of_slot // num_tokens, token_of_slot % num_tokens,
                         token_of_slot < received.numel(), empty_row)
-
-
-def copies_sent(copied_experts: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
-    """copied_experts [R, G] every rank's copy slots (-1 unused) -> [R_home, R, G] int64: 1
-    where rank d's copy slot j holds an expert homed on that rank."""
-    num_ranks = copied_experts.shape[0]
-    home = torch.where(copied_experts >= 0, copied_experts // experts_per_rank, num_ranks)
-    ranks = torch.arange(num_ranks, device=copied_experts.device).view(-1, 1, 1)
-    return (home.unsqueeze(0) == ranks).long()

@@ -6,7 +6,7 @@ a = bytes per activation element (2 for bf16; copied expert weights travel in it
 gradients in fp32), one expert's weights P = 3 * L * I elements.
 Collectives are counted as ring collectives (an all-gather or reduce-scatter of R blocks of n
 bytes receives (R - 1) * n per rank). The symm_mem transport moves what the routing needs, so
-its terms are the most any routing makes one rank receive ("_max").
+its token terms are the most any routing makes one rank receive ("_max").
 """
 
 from __future__ import annotations
@@ -21,62 +21,61 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
                       activation_bytes: int = 2, transport: str = "collective") -> dict[str, dict]:
     """{"forward": {term: bytes}, "backward": {term: bytes}, "formula": {term: text}}."""
     s, k, e, r, lat, a = tokens, top_k, experts, ranks, latent, activation_bytes
-    per_expert = 3 * latent * intermediate
     others = r - 1
     counts = others * e * INT32  # every rank's tokens per expert, for the plan
+    # Copied weights, either transport: each rank relays 1/R of every w1 [2I, L] and w2 [L, I]
+    # (transport.copy_piece) in two all-to-alls, in the GEMM's dtype; gradients in fp32.
+    relayed = copy_piece(2 * intermediate * latent, r) + copy_piece(latent * intermediate, r)
+    copies = 2 * others * (e // r) * relayed
+    copies_formula = "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))"
     if dispatch == "moonep" and transport == "symm_mem":
         # Each entry's token id and row (2 x int32) and routing weight go to the rank computing
         # it: at most S*K entries. A token travels once to each other rank holding one of its
-        # entries, and its result back: at most S*min(K, R-1) rows either way; a rank's copies
-        # come from their home, at most E/R; a home gets back the gradients of every copy of its
-        # experts, at most (R-1)*E/R.
+        # entries, and its result back: at most S*min(K, R-1) rows either way.
         rows = s * min(k, others)
         forward = {
             "counts_all_gather": counts,
             "routing_exchange_max": s * k * (2 * INT32 + FP32),
             "token_exchange_max": rows * lat * a,
             "combine_exchange_max": rows * lat * FP32,
-            "copy_weights_exchange_max": (e // r) * per_expert * a,
+            "copy_weights_all_to_all": copies * a,
         }
         backward = {
             "routing_weight_grad_exchange_max": s * k * FP32,
             "token_grad_exchange_max": rows * lat * a,
             "combine_grad_exchange_max": rows * lat * FP32,
-            "copy_grad_exchange_max": others * (e // r) * per_expert * FP32,
+            "copy_grad_all_to_all": copies * FP32,
         }
         formula = {
             "counts_all_gather": "(R-1)*E*4",
             "routing_exchange_max": "S*K*(2*4 + 4)",
             "token_exchange_max": "S*min(K, R-1)*L*a",
             "combine_exchange_max": "S*min(K, R-1)*L*4",
-            "copy_weights_exchange_max": "(E/R)*3*L*I*a",
-            "backward": "S*K*4 + S*min(K, R-1)*L*(a + 4) + (R-1)*(E/R)*3*L*I*4",
+            "copy_weights_all_to_all": copies_formula + "*a",
+            "backward": f"S*K*4 + S*min(K, R-1)*L*(a + 4) + {copies_formula}*4",
         }
     elif dispatch == "moonep" and transport == "collective":
-        # Each rank relays 1/R of every w1 [2I, L] and w2 [L, I] (transport.copy_piece).
-        relayed = copy_piece(2 * intermediate * latent, r) + copy_piece(latent * intermediate, r)
         forward = {
             "counts_all_gather": counts,
             # every entry's destination and row (int32) and routing weight
             "routing_all_gather": others * s * k * (INT32 + FP32),
             "token_all_gather": others * s * lat * a,
             "combine_reduce_scatter": others * s * lat * FP32,
-            "copy_weights_all_to_all": 2 * others * (e // r) * relayed * a,
+            "copy_weights_all_to_all": copies * a,
         }
         backward = {
             "routing_weight_grad_reduce_scatter": others * s * k * FP32,
             "token_grad_reduce_scatter": others * s * lat * a,
             "combine_grad_all_gather": others * s * lat * FP32,
-            "copy_grad_all_to_all": 2 * others * (e // r) * relayed * FP32,
+            "copy_grad_all_to_all": copies * FP32,
         }
         formula = {
             "counts_all_gather": "(R-1)*E*4",
             "routing_all_gather": "(R-1)*S*K*(4 + 4)",
             "token_all_gather": "(R-1)*S*L*a",
             "combine_reduce_scatter": "(R-1)*S*L*4",
-            "copy_weights_all_to_all": "2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*a",
-            "backward": "(R-1)*S*K*4 + (R-1)*S*L*(a + 4) "
-                        "+ 2*(R-1)*(E/R)*(ceil(2*I*L/R) + ceil(L*I/R))*4",
+            "copy_weights_all_to_all": copies_formula + "*a",
+            "backward": f"(R-1)*S*K*4 + (R-1)*S*L*(a + 4) + {copies_formula}*4",
         }
     elif dispatch == "dynamic":  # all-to-all; uniform routing, worst case in the formula
         moved = s * k * others // r

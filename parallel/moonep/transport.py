@@ -17,10 +17,12 @@ differ only in what they move.
   way in fp32 (or wider), summed there.
 - `SymmMemTransport` (CUDA with NVSHMEM, torch symmetric memory): O(S*K) per rank whatever R:
   each entry's token id, slot and routing weight to the rank computing it, each token once to
-  each rank holding one of its entries, results back the same way, each copied expert only to
-  the ranks copying it, all with `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host
-  sync) into static buffers of the worst-case size. Written against the collective transport's
-  tests; not yet run on a GPU.
+  each rank holding one of its entries, results back the same way, all with
+  `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host sync), into static
+  buffers of the worst-case size. Copied weights take the collective relay: sent directly, a
+  home rank's static send buffer would have to hold every rank's copy of its experts (up to E
+  experts: each rank imports from one home rank, possibly the same), the relay's hold 2 E/R.
+  Written against the collective transport's tests; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from parallel.moonep.exchange import (
-    copies_sent,
     pack_index,
     receive_rows,
     token_rows,
@@ -250,13 +251,40 @@ class NvshmemExchange:
         return torch.where(live, out, 0).view(rows_out, *x.shape[1:])
 
 
+class FakeGroupExchange:
+    """`Exchange` on torch's fake process group (dry runs): hands the static send buffer to
+    one all-to-all, as all_to_all_vdev is handed it, and returns the static receive buffer
+    (the fake group moves no data; split sizes that keep every row here give the shapes)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def __call__(self, x: torch.Tensor, send_splits: torch.Tensor,
+                 rows_out: int) -> torch.Tensor:
+        def here(rows: int) -> list[int]:
+            return [rows if peer == self.rank else 0 for peer in range(self.size)]
+
+        return funcol.wait_tensor(funcol.all_to_all_single(
+            x.contiguous(), here(rows_out), here(x.shape[0]), self.group))
+
+
+def symm_mem_exchange(group: dist.ProcessGroup) -> Exchange:
+    """NVSHMEM's all_to_all_vdev, or on the fake process group its stand-in."""
+    if dist.get_backend(group) == "fake":
+        return FakeGroupExchange(group)
+    return NvshmemExchange(group)
+
+
 class SymmMemTransport(CollectiveTransport):
-    """Tokens, results and copied weights by `exchange` (NVSHMEM's all_to_all_vdev by default;
-    tests pass an equivalent over gloo); the small metadata all-gathers stay collectives."""
+    """Routes, tokens and results by `exchange` (NVSHMEM's all_to_all_vdev by default, its
+    stand-in on the fake process group; tests pass an equivalent over gloo); the plan's counts
+    stay an all-gather, the copies the collective relay."""
 
     def __init__(self, group: dist.ProcessGroup, exchange: Exchange | None = None):
         super().__init__(group)
-        self.exchange = exchange if exchange is not None else NvshmemExchange(group)
+        self.exchange = exchange if exchange is not None else symm_mem_exchange(group)
 
     def route(self, dest: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
               num_slots: int) -> Routes:
@@ -308,19 +336,3 @@ class SymmMemTransport(CollectiveTransport):
         local = torch.arange(num_tokens, device=rows.device).expand_as(sent)
         return rows.new_zeros(num_tokens + 1, rows.shape[-1]).index_add(
             0, pack_index(sent, local, capacity, num_tokens), back)[:num_tokens]
-
-    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
-        per_rank = home.shape[0]
-        every = copies_sent(copied_experts, per_rank)  # [R_home, R, G]
-        sent, received = every[self.rank], every[:, self.rank]
-        rows_in = self.size * per_rank  # every rank may copy any of this rank's experts
-        local = copied_experts.clamp(min=0) % per_rank
-        packed = _with_zero_row(home.to(_copy_dtype(home))).index_select(
-            0, pack_index(sent, local, rows_in, per_rank))
-        got = _exchanged(packed, sent.sum(1), received.sum(1), per_rank, self.exchange,
-                         dtype or home.dtype)
-        mine = copied_experts[self.rank]
-        slots = torch.arange(per_rank, device=home.device)
-        rows = receive_rows(received, mine.clamp(min=0) // per_rank, slots, mine >= 0, per_rank)
-        return _with_zero_row(got).index_select(0, rows)

@@ -86,8 +86,8 @@ FAILING = ["stage.seq_len=128", "stage.micro_batch_size=1", "stage.global_batch_
 
 def test_a_failing_rank_fails_the_job_and_the_run_resumes(tmp_path, sample_data_dir):
     """One run through both failures on 2 ranks: rank 1 killed as step 3 starts, then, resumed,
-    rank 1 hung as step 5 starts; each job ends with the last complete checkpoint valid, and the same
-    command then finishes the run with the losses and gradient norms of the same command run
+    rank 1 hung as step 5 starts; each job ends with the last complete checkpoint valid, and the
+    same command then finishes the run with the losses and gradient norms of the same command run
     without failures, bit for bit, at every step any of its jobs logged (the same 2 ranks, data
     and seed: deterministic fp32 CPU runs, so a resumed step that lost any state, optimizer
     moments, loader position or QB bias, differs). How long a failed job took is reported, not

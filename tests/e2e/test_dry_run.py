@@ -1,6 +1,7 @@
 """`k3-train ... dry_run.world_size=N dry_run.rank=R` as a user runs it: k3_small, rank 37 of
 256 (FSDP2 x TP2 x EP8), one step at 4096 tokens on fake tensors, and its dry_run.json; and a
-pipeline rank of a combined layout whose layers are recomputed in backward."""
+pipeline rank of a combined layout whose layers are recomputed in backward, on MoonEP's symm_mem
+transport."""
 
 from __future__ import annotations
 
@@ -48,11 +49,14 @@ def test_k3_small_dry_run_of_one_rank_of_256(tmp_path):
 def test_a_checkpointed_pipeline_rank_with_experts_tensor_and_fsdp2(tmp_path):
     """PP2 x TP2 x DP4 with EP2 and FSDP2 (k3_tiny, world 16), layers recomputed in backward:
     FSDP2 hands the experts their gathered weights in the recompute too (the tensor-parallel
-    MoE once swapped in their shards, whose shapes broke MoonEP's copy exchange)."""
+    MoE once swapped in their shards, whose shapes broke MoonEP's copy exchange). MoonEP on the
+    symm_mem transport, which a dry run accepts without CUDA: its exchanges become all-to-alls of
+    the static buffers on the fake process group."""
     result = _dry_run(tmp_path, "dry_run.world_size=16", "dry_run.rank=0",
                       "parallel.data_shard=full", "parallel.expert=2", "parallel.tensor=2",
                       "parallel.pipeline=2", "stage.micro_batch_size=1",
                       "stage.global_batch_size=8", "optim.name=muon",
-                      "activation_checkpointing=true")
+                      "activation_checkpointing=true", "parallel.moonep.transport=symm_mem")
     assert "rank 0: pp0 dp0 cp0 tp0 ep0" in result["layout"]
+    assert result["collective_calls"]["all_to_all"] > 0
     assert result["collective_calls"]["send"] == result["collective_calls"]["recv"] > 0

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from parallel.moonep.exchange import (
     block_rows,
-    copies_sent,
     pack_index,
     receive_rows,
     tokens_received,
@@ -65,14 +64,3 @@ def test_tokens_travel_once_to_each_rank_holding_an_entry(ranks, tokens, top_k, 
             for i in range(tokens):
                 assert sent[d, i] == int(d in entry_dest[rank, i].tolist())
                 assert received[d, i] == int(rank in entry_dest[d, i].tolist())
-
-
-def test_copies_go_from_their_home_rank_to_the_copying_slots():
-    copied = torch.tensor([[-1, -1], [0, 1], [1, 5], [-1, 4]])  # R = 4, G = 2
-    sent = copies_sent(copied, 2)
-    assert sent.shape == (4, 4, 2)
-    for home in range(4):
-        for d in range(4):
-            for j in range(2):
-                e = int(copied[d, j])
-                assert sent[home, d, j] == int(e >= 0 and e // 2 == home)

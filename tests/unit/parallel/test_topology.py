@@ -81,12 +81,20 @@ def test_sizes_resolve_from_the_world():
         t.group("tp")
 
 
-def test_symmetric_memory_transport_needs_cuda():
+def test_symmetric_memory_transport_needs_cuda_except_in_a_dry_run():
+    """Refused on a CPU world; accepted on the fake process group, where a dry run models the
+    GPU job (its exchange a stand-in)."""
     t = Topology.from_config(parallel_config(moonep_transport="symm_mem"), 1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(ConfigError, match="parallel.moonep.transport='symm_mem'.*needs CUDA"):
             t.initialize("cpu")
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        t.initialize("cpu")
+        t.destroy()
     finally:
         dist.destroy_process_group()
 
