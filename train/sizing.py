@@ -12,8 +12,9 @@ Memory is an estimate: fp32 weights as the step holds them (whole; FSDP2's gathe
 pipeline stage keeps through its micro-batches), fp32 gradients, FSDP2's fp32 master shards and
 the optimizer states (AdamW 2, Muon 1 fp32 per parameter), sharded (ZeRO-1 or FSDP2) over the
 data-parallel ranks of each parameter within one HSDP replica, and activations from the tensors
-the modules save for backward, traced on the meta device (see activation_bytes). Data-parallel traffic: the bytes one rank hands to
-each collective per optimizer step (see data_parallel_bytes; benchmarks/parallel_overhead.py
+the modules save for backward, traced on the meta device (see activation_bytes). Data-parallel
+traffic: the bytes one rank hands to each collective per optimizer step (see
+data_parallel_bytes; benchmarks/parallel_overhead.py
 counts them).
 """
 
