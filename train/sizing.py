@@ -14,8 +14,7 @@ the optimizer states (AdamW 2, Muon 1 fp32 per parameter), sharded (ZeRO-1 or FS
 data-parallel ranks of each parameter within one HSDP replica, and activations from the tensors
 the modules save for backward, traced on the meta device (see activation_bytes). Data-parallel
 traffic: the bytes one rank hands to each collective per optimizer step (see
-data_parallel_bytes; benchmarks/parallel_overhead.py
-counts them).
+data_parallel_bytes; benchmarks/parallel_overhead.py counts them).
 """
 
 from __future__ import annotations
