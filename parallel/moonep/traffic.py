@@ -31,27 +31,28 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
     if dispatch == "moonep" and transport == "symm_mem":
         # Each entry's token id and row (2 x int32) and routing weight go to the rank computing
         # it: at most S*K entries. A token travels once to each other rank holding one of its
-        # entries, and its result back: at most S*min(K, R-1) rows either way.
+        # entries, and its result back: at most S*min(K, R-1) rows either way. The copies take
+        # the relay's two steps with only the copied experts' pieces: at most the relay's bytes.
         rows = s * min(k, others)
         forward = {
             "counts_all_gather": counts,
             "routing_exchange_max": s * k * (2 * INT32 + FP32),
             "token_exchange_max": rows * lat * a,
             "combine_exchange_max": rows * lat * FP32,
-            "copy_weights_all_to_all": copies * a,
+            "copy_weights_exchange_max": copies * a,
         }
         backward = {
             "routing_weight_grad_exchange_max": s * k * FP32,
             "token_grad_exchange_max": rows * lat * a,
             "combine_grad_exchange_max": rows * lat * FP32,
-            "copy_grad_all_to_all": copies * FP32,
+            "copy_grad_exchange_max": copies * FP32,
         }
         formula = {
             "counts_all_gather": "(R-1)*E*4",
             "routing_exchange_max": "S*K*(2*4 + 4)",
             "token_exchange_max": "S*min(K, R-1)*L*a",
             "combine_exchange_max": "S*min(K, R-1)*L*4",
-            "copy_weights_all_to_all": copies_formula + "*a",
+            "copy_weights_exchange_max": copies_formula + "*a",
             "backward": f"S*K*4 + S*min(K, R-1)*L*(a + 4) + {copies_formula}*4",
         }
     elif dispatch == "moonep" and transport == "collective":

@@ -19,9 +19,10 @@ differ only in what they move.
   each entry's token id, slot and routing weight to the rank computing it, each token once to
   each rank holding one of its entries, results back the same way, all with
   `symm_mem.all_to_all_vdev`, whose split sizes are device tensors (no host sync), into static
-  buffers of the worst-case size. Copied weights take the collective relay: sent directly, a
-  home rank's static send buffer would have to hold every rank's copy of its experts (up to E
-  experts: each rank imports from one home rank, possibly the same), the relay's hold 2 E/R.
+  buffers of the worst-case size. Copied weights take the collective relay's two steps, moving
+  only the pieces of experts some rank copies: sent directly, a home rank's static send buffer
+  would have to hold every rank's copy of its experts (up to E experts: each rank imports from
+  one home rank, possibly the same), the relay's hold 2 E/R.
   Written against the collective transport's tests; not yet run on a GPU.
 """
 
@@ -280,7 +281,7 @@ def symm_mem_exchange(group: dist.ProcessGroup) -> Exchange:
 class SymmMemTransport(CollectiveTransport):
     """Routes, tokens and results by `exchange` (NVSHMEM's all_to_all_vdev by default, its
     stand-in on the fake process group; tests pass an equivalent over gloo); the plan's counts
-    stay an all-gather, the copies the collective relay."""
+    stay an all-gather."""
 
     def __init__(self, group: dist.ProcessGroup, exchange: Exchange | None = None):
         super().__init__(group)
@@ -336,3 +337,43 @@ class SymmMemTransport(CollectiveTransport):
         local = torch.arange(num_tokens, device=rows.device).expand_as(sent)
         return rows.new_zeros(num_tokens + 1, rows.shape[-1]).index_add(
             0, pack_index(sent, local, capacity, num_tokens), back)[:num_tokens]
+
+    def fetch_copies(self, home: torch.Tensor, copied_experts: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The collective relay's two steps, moving only the pieces of experts some rank copies
+        (static buffers of the relay's size; the bytes follow the plan)."""
+        per_rank, ranks = home.shape[0], self.size
+        flat = home.to(_copy_dtype(home)).reshape(per_rank, -1)
+        numel = flat.shape[1]
+        piece = copy_piece(numel, ranks)
+        device, moved_dtype = home.device, dtype or home.dtype
+        capacity = ranks * per_rank
+        # copied[h, g]: 1 where home rank h's expert g is in some rank's copy slots.
+        slots = copied_experts.reshape(-1)
+        copied = torch.zeros(ranks * per_rank + 1, dtype=torch.long, device=device).index_fill(
+            0, torch.where(slots >= 0, slots, ranks * per_rank), 1)[:-1].view(ranks, per_rank)
+        # 1: piece j of each copied home expert to rank j -> from each home h, piece `rank` of
+        # its copied experts, in expert order.
+        pieces = F.pad(flat, (0, piece * ranks - numel)).view(per_rank * ranks, piece)
+        sent = copied[self.rank].expand(ranks, -1)
+        expert_piece = (torch.arange(per_rank, device=device) * ranks
+                        + torch.arange(ranks, device=device)[:, None])  # row of (j, g)
+        packed = _with_zero_row(pieces).index_select(
+            0, pack_index(sent, expert_piece, capacity, per_rank * ranks))
+        relayed = _exchanged(packed, sent.sum(1), copied.sum(1), capacity, self.exchange,
+                             moved_dtype)
+        # 2: to each rank d the pieces (`rank`) of the experts in d's used slots -> from each
+        # rank j, piece j of this rank's copies, in slot order.
+        used = (copied_experts >= 0).long()
+        source = receive_rows(copied, copied_experts.clamp(min=0) // per_rank,
+                              copied_experts.clamp(min=0) % per_rank, used > 0, capacity)
+        packed = _with_zero_row(relayed).index_select(
+            0, pack_index(used, source, capacity, capacity))
+        mine = used[self.rank].expand(ranks, -1)
+        got = _exchanged(packed, used.sum(1), mine.sum(1), capacity, self.exchange,
+                         moved_dtype)
+        rows = receive_rows(mine, torch.arange(ranks, device=device).expand(per_rank, -1),
+                            torch.arange(per_rank, device=device)[:, None].expand(-1, ranks),
+                            mine.T > 0, capacity)  # [G, R]: slot s's piece j
+        copies = _with_zero_row(got).index_select(0, rows.reshape(-1)).view(per_rank, -1)
+        return copies[:, :numel].reshape(home.shape)

@@ -86,9 +86,9 @@ def test_plan_of_the_full_model_on_a_large_layout(full_model_plans):
     symm_mem = traffic["moonep_symm_mem"]  # worst cases: K = 16 < R - 1 = 63
     assert symm_mem["forward"]["token_exchange_max"] == 8192 * 16 * 3584 * 2
     # O(S*K) whatever R: each entry's token, row and weight to the rank computing it; the
-    # copies by the collective relay.
+    # copies by the relay's steps, at most its bytes.
     assert symm_mem["forward"]["routing_exchange_max"] == 8192 * 16 * 12
-    assert symm_mem["forward"]["copy_weights_all_to_all"] == 2 * 63 * 14 * relayed * 2
+    assert symm_mem["forward"]["copy_weights_exchange_max"] == 2 * 63 * 14 * relayed * 2
 
 
 def test_plan_rejects_an_expert_layout_that_does_not_divide():
