@@ -94,6 +94,11 @@ def copy_piece(numel: int, ranks: int) -> int:
     return -(-numel // ranks)
 
 
+def index_dtype(bound: int) -> torch.dtype:
+    """The narrowest exact integer type for indices below `bound` (a host int of the shapes)."""
+    return torch.int32 if bound <= 2**31 else torch.int64
+
+
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
@@ -128,8 +133,9 @@ class CollectiveTransport:
               num_slots: int) -> Routes:
         num_tokens, top_k = dest.shape
         all_entries = self.size * num_tokens * top_k
-        # Every entry's (destination, row) as one int32: R * N rows fit (N is about S*K).
-        where = self.all_gather((dest * num_slots + slot).view(-1).to(torch.int32)).long()
+        # Every entry's (destination, row) as one integer: int32 while R * N rows fit.
+        code = (dest * num_slots + slot).view(-1).to(index_dtype(self.size * num_slots))
+        where = self.all_gather(code).long()
         weights = torch.cat([self.all_gather(weight.reshape(-1)), weight.new_zeros(1)])
         # This rank's rows: entry ids scattered to their slots; other ranks' entries go to
         # distinct dump positions past the buffer, so every index is written once.
@@ -297,7 +303,8 @@ class SymmMemTransport(CollectiveTransport):
         send_splits = torch.zeros(self.size, dtype=torch.long, device=dest.device).index_add_(
             0, dest.view(-1), torch.ones_like(order))
         token = self.rank * num_tokens + torch.arange(entries, device=dest.device) // top_k
-        meta = torch.stack([token, slot.view(-1)], 1).index_select(0, order).to(torch.int32)
+        meta = torch.stack([token, slot.view(-1)], 1).index_select(0, order).to(
+            index_dtype(max(self.size * num_tokens, num_slots)))
         got = self.exchange(meta, send_splits, entries).long()
         recv_splits = torch.zeros_like(send_splits).index_add_(
             0, got[:, 0] // num_tokens, torch.ones_like(order))

@@ -64,3 +64,12 @@ def test_tokens_travel_once_to_each_rank_holding_an_entry(ranks, tokens, top_k, 
             for i in range(tokens):
                 assert sent[d, i] == int(d in entry_dest[rank, i].tolist())
                 assert received[d, i] == int(rank in entry_dest[d, i].tolist())
+
+
+def test_route_indices_widen_only_past_int32():
+    """The routing exchange's indices are int32 while every index fits, int64 beyond."""
+    from parallel.moonep.transport import index_dtype
+
+    assert index_dtype(2**31) == torch.int32  # indices 0 .. 2**31 - 1
+    assert index_dtype(2**31 + 1) == torch.int64
+    assert torch.tensor(2**31 - 1).to(index_dtype(2**31)).item() == 2**31 - 1
