@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from model.batch import K3Batch, cu_seqlens_from_lengths
 from model.ops import dispatch
@@ -67,6 +68,60 @@ def _gpu_sized_tiles():
     finally:
         (attention.BLOCK_Q, attention.BLOCK_K, attention.TILE_ELEMENTS,
          bounded._BLOCK_ELEMENTS) = saved
+
+
+def _flash_attention_forward(q, k, v, q_segments, k_segments, scale, causal, q_offset):
+    """A flash attention kernel's outputs, as much device memory as it makes: o [B, H, T, Dv],
+    the rows' logsumexp and maxima [B, H, T]; its score tiles live in on-chip memory. Fake
+    tensors only (declines real ones: their values would be unset)."""
+    if not isinstance(q, FakeTensor):
+        return None
+    B, H, T, _ = q.shape
+    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T), q.new_empty(B, H, T)
+
+
+def _flash_attention_backward(q, k, v, q_segments, k_segments, o, lse, grad_o, scale, causal,
+                              q_offset):
+    if not isinstance(q, FakeTensor):
+        return None
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _KDAChunkShapes(torch.autograd.Function):
+    """fla's chunk_kda as a dry run counts it: o in the input dtype, the final states in fp32;
+    it keeps its inputs for the backward (recomputing the chunk states there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, states: int):
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        _, _, H, K = q.shape
+        final = (q.new_empty(states, H, K, v.shape[-1], dtype=torch.float32) if states
+                 else None)
+        return v.new_empty(v.shape), final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+        return *grads, None if initial_state is None else torch.empty_like(initial_state), None
+
+
+def _kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+               lower_bound):
+    """kda_chunk's registered-kernel seam ("kda_recurrence"), fake tensors only."""
+    if not isinstance(q, FakeTensor):
+        return None
+    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return _KDAChunkShapes.apply(q, k, v, g, beta, initial_state,
+                                 sequences if output_final_state else 0)
+
+
+# The dry run's attention and KDA through the model's kernel seams (model/ops/dispatch.py): the
+# torch forms' Python loops over tiles and chunks take minutes at long context (a 1M-token CP
+# fragment is ~10^5 attention tiles and 2048 sequential KDA chunks a layer).
+GPU_KERNEL_SHAPES = {"attention_forward": _flash_attention_forward,
+                     "attention_backward": _flash_attention_backward,
+                     "kda_recurrence": _kda_chunk}
 
 
 @contextlib.contextmanager
@@ -154,11 +209,13 @@ class StepMeasurement:
     collective_calls: dict[str, int]
 
 
-def measure_step(cfg: TrainConfig, topology: Topology | None, fake=None) -> StepMeasurement:
+def measure_step(cfg: TrainConfig, topology: Topology | None, fake=None,
+                 kernels: dict | None = None) -> StepMeasurement:
     """Builds this rank's part of the model as k3-train does and runs one optimizer step on
     synthetic micro-batches under the probes; `fake`: a FakeTensorMode the storage is made in
-    (the dry run), None: real tensors. The layout is applied on the meta device (process groups
-    and meshes are real); only the storage made from then on is fake."""
+    (the dry run), None: real tensors; `kernels`: the only registered kernels that run (default
+    none: the torch forms). The layout is applied on the meta device (process groups and meshes
+    are real); only the storage made from then on is fake."""
     from .loop import build_parallel_model, train_step
 
     device = torch.device("cpu")
@@ -177,7 +234,8 @@ def measure_step(cfg: TrainConfig, topology: Topology | None, fake=None) -> Step
             sizes["gradients"] = _nbytes([_local(p.grad) for p in model.parameters()
                                           if p.grad is not None])
 
-        with storage(), memory, counter:
+        # Only `kernels` in the step: building on the CPU registers the native kernels.
+        with storage(), memory, counter, dispatch.only(kernels or {}):
             train_step(model, optimizers, micro_batches, device, precision, parallel, cfg.optim,
                        on_gradients=after_backward, check_finite=False)
         sizes["optimizer_state"] = _nbytes([list(opt.state.values()) for opt in optimizers])
@@ -203,7 +261,8 @@ def run_dry(cfg: TrainConfig) -> int:
     try:
         with _gpu_sized_tiles():
             measured = measure_step(run_cfg, topology,
-                                    FakeTensorMode(allow_non_fake_inputs=True))
+                                    FakeTensorMode(allow_non_fake_inputs=True),
+                                    GPU_KERNEL_SHAPES)
         layout = topology.describe()
     finally:
         topology.destroy()

@@ -36,6 +36,19 @@ def registered() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
+def only(kernels: dict[str, Callable]):
+    """Exactly `kernels` run inside the block (empty: every op's torch form), whatever is
+    registered."""
+    global _kernels, _enabled
+    before = _kernels, _enabled
+    _kernels, _enabled = dict(kernels), True
+    try:
+        yield
+    finally:
+        _kernels, _enabled = before
+
+
+@contextlib.contextmanager
 def kernels_enabled(enabled: bool):
     """The registered kernels on or off inside the block (off: every op's torch form)."""
     global _enabled
