@@ -1,6 +1,8 @@
 """k3-train with expert parallelism (parallel.expert=2 on two torchrun ranks) against one rank:
-the same losses on the same data, with the MoonEP and the dynamic dispatch, across a
-checkpoint and resume; and EP2 x FSDP2 on four ranks, resumed in one process."""
+the same losses on the same data across a checkpoint and resume. The layouts beside it (EP with
+FSDP2, ZeRO-1, HSDP, TP, the pipeline) and their checkpoint moves are checked in process by
+test_moonep_model.py, test_combined_layouts.py and test_checkpoint_layouts.py; the dynamic
+dispatch's results by test_moonep_layer.py."""
 
 import subprocess
 import sys
@@ -42,24 +44,9 @@ def test_two_rank_expert_parallel_matches_one_rank(tmp_path, sample_data_dir):
     run_train(one, sample_data_dir, *FAST, "steps=4", *NO_CHECKPOINTS)
     reference = losses(one)
     # MoonEP stops after a checkpoint at step 2 and resumes from it (sharded experts saved as
-    # their logical tensors); the dynamic dispatch runs straight through.
-    runs = {"moonep": [["steps=2", "checkpoint.every=2"], ["steps=4", "checkpoint.every=2"]],
-            "dynamic": [["steps=4", *NO_CHECKPOINTS]]}
-    for dispatch, parts in runs.items():
-        run = tmp_path / dispatch
-        for part in parts:
-            out = _torchrun(2, run, sample_data_dir, *part, "parallel.expert=2",
-                            f"parallel.expert_dispatch={dispatch}")
-        if dispatch == "moonep":
-            assert "resumed from" in out.stdout + out.stderr
-        _assert_same_losses(reference, losses(run), dispatch)
-    # EP2 x FSDP2 on four ranks (experts sharded over EP pairs and FSDP2 over the expert-data
-    # pairs, everything else FSDP2 over all four) saves at step 2; one process resumes from it.
-    # One row per rank and micro-batch: the same global batches, summed in another order.
-    run = tmp_path / "ep2_fsdp2"
-    _torchrun(4, run, sample_data_dir, "steps=2", "checkpoint.every=2", "parallel.expert=2",
-              "parallel.data_shard=full", "stage.micro_batch_size=1")
-    resumed = run_train(run, sample_data_dir, *FAST, "steps=4", "checkpoint.every=2",
-                        "stage.micro_batch_size=1")
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    _assert_same_losses(reference, losses(run), "EP2 x FSDP2, resumed in one process")
+    # their logical tensors).
+    run = tmp_path / "moonep"
+    for part in (["steps=2", "checkpoint.every=2"], ["steps=4", "checkpoint.every=2"]):
+        out = _torchrun(2, run, sample_data_dir, *part, "parallel.expert=2")
+    assert "resumed from" in out.stdout + out.stderr
+    _assert_same_losses(reference, losses(run), "moonep")
