@@ -78,7 +78,7 @@ def test_pipeline_run_matches_one_process_and_resumes_there(tmp_path, sample_dat
     _assert_same(one_process, run, [2, 4], key="val_loss")
 
 
-TIMEOUT_S = 20
+TIMEOUT_S = 15
 FAILING = ["stage.seq_len=128", "stage.micro_batch_size=1", "stage.global_batch_size=4",
            "logging.plot=false", "logging.wandb=false", "steps=6", "checkpoint.every=2",
            "parallel.data_shard=full", f"parallel.timeout_s={TIMEOUT_S}"]
