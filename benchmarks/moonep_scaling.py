@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from benchmarks.fake_world import WORLD_SIZES, fake_process_group
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.transport import CollectiveTransport, SymmMemTransport
 from train.step_probes import CollectiveBytes, StepMemory
@@ -51,35 +50,30 @@ class LargestBuffer(CollectiveBytes):
 def measure(ranks: int, transport: str) -> tuple[int, int, int, int]:
     """(bytes handed to collectives, peak bytes above the inputs, largest buffer in rows) of the
     tokens' forward and backward on rank 0, and the bytes handed for the copies."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
-    try:
-        with FakeTensorMode():
-            group = dist.group.WORLD
-            dispatcher = MoonEPDispatcher(EXPERTS, TRANSPORTS[transport](group), alignment=8)
-            home = EXPERTS // ranks
-            w1 = torch.empty(home, 2 * INTER, LATENT, dtype=torch.bfloat16, requires_grad=True)
-            w2 = torch.empty(home, LATENT, INTER, dtype=torch.bfloat16, requires_grad=True)
-            x = torch.empty(TOKENS, LATENT, dtype=torch.bfloat16, requires_grad=True)
-            topk = torch.empty(TOKENS, TOP_K, dtype=torch.long)
-            weight = torch.empty(TOKENS, TOP_K, requires_grad=True)
-            memory, counter, copies = StepMemory(), LargestBuffer(), CollectiveBytes()
-            memory.track([w1, w2, x, topk, weight])
-            base = memory.current
-            with memory, counter:
-                d = dispatcher.dispatch(x, topk, weight)
-                dispatcher.combine(d.buffer, d).sum().backward()
-            with copies:
-                g1, g2 = dispatcher.group_weights(w1, w2, torch.bfloat16)
-                (g1.sum() + g2.sum()).backward()
-        return (sum(counter.bytes.values()), memory.peak - base, counter.rows,
-                sum(copies.bytes.values()))
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group(ranks) as group, FakeTensorMode():
+        dispatcher = MoonEPDispatcher(EXPERTS, TRANSPORTS[transport](group), alignment=8)
+        home = EXPERTS // ranks
+        w1 = torch.empty(home, 2 * INTER, LATENT, dtype=torch.bfloat16, requires_grad=True)
+        w2 = torch.empty(home, LATENT, INTER, dtype=torch.bfloat16, requires_grad=True)
+        x = torch.empty(TOKENS, LATENT, dtype=torch.bfloat16, requires_grad=True)
+        topk = torch.empty(TOKENS, TOP_K, dtype=torch.long)
+        weight = torch.empty(TOKENS, TOP_K, requires_grad=True)
+        memory, counter, copies = StepMemory(), LargestBuffer(), CollectiveBytes()
+        memory.track([w1, w2, x, topk, weight])
+        base = memory.current
+        with memory, counter:
+            d = dispatcher.dispatch(x, topk, weight)
+            dispatcher.combine(d.buffer, d).sum().backward()
+        with copies:
+            g1, g2 = dispatcher.group_weights(w1, w2, torch.bfloat16)
+            (g1.sum() + g2.sum()).backward()
+    return (sum(counter.bytes.values()), memory.peak - base, counter.rows,
+            sum(copies.bytes.values()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    parser.add_argument("--ranks", type=int, nargs="+", default=WORLD_SIZES)
     args = parser.parse_args()
     rows = TOKENS * TOP_K * LATENT * 2
     print(f"one MoE layer, S={TOKENS} K={TOP_K} E={EXPERTS} L={LATENT}: S*K*L*2 = "

@@ -15,12 +15,11 @@ import argparse
 import math
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from benchmarks.fake_world import WORLD_SIZES, fake_process_group
 from parallel.muon_exchange import DTensorExchange, MatrixJob
 from train.optim.muon import orthogonalize
 from train.step_probes import CollectiveBytes, StepMemory
@@ -36,8 +35,7 @@ LAYER = [((12288, 7168), 96, 0)] * 4 + [((7168, 12288), 96, 1), ((12288, 128), 1
 
 def measure(ranks: int, rank: int) -> tuple[int, int]:
     """(bytes handed to collectives, peak bytes above the updates) of one rank's step."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
-    try:
+    with fake_process_group(ranks, rank):
         mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("dp",))
         with FakeTensorMode():
             jobs = []
@@ -54,13 +52,11 @@ def measure(ranks: int, rank: int) -> tuple[int, int]:
                 out = DTensorExchange().orthogonalize(jobs, orthogonalize)
             del out
         return sum(counter.bytes.values()), memory.peak - base
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    parser.add_argument("--ranks", type=int, nargs="+", default=WORLD_SIZES)
     args = parser.parse_args()
     elements = LAYERS * sum(math.prod(shape) for shape, _, _ in LAYER)
     print(f"{LAYERS} k3_full layers' Muon matrices: {elements / 1e9:.2f}B elements "
