@@ -364,7 +364,9 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
             apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode,
                                 (topology.mesh(*_expert_data_dims(topology))
                                  if plan.expert_parallel else None),
-                                roots=plan.pipeline.modules if plan.pipeline else None)
+                                roots=plan.pipeline.modules if plan.pipeline else None,
+                                param_dtype=(activation_dtype if cfg.parallel.fsdp_param_dtype
+                                             == "compute" else None))
             if plan.expert_parallel:
                 mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
             plan.data_parallel = True

@@ -25,6 +25,10 @@ class ParallelConfig:
     data: int = -1  # data-parallel ranks (replicas x shards); -1: what the world size leaves
     data_replicate: int = 1  # HSDP: replica groups of the data ranks (data_shard optimizer|full)
     data_shard: str = "none"  # none (DDP) | optimizer (ZeRO-1) | full (FSDP2)
+    # FSDP2 (data_shard full) gathers parameters in: compute, the autocast dtype (bf16 under
+    # bf16 autocast, torchtitan's mixed_precision_param; the routers stay fp32) | master, the
+    # fp32 master weights (autocast casts at each use)
+    fsdp_param_dtype: str = "compute"
     tensor: int = 1
     sequence_parallel: bool = True  # with tensor > 1: norms and AttnRes mixes sharded on T
     context: int = 1

@@ -45,13 +45,14 @@ def fill_missing_gradients(model: nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def _units(model: K3Model, roots: list[nn.Module] | None = None) -> list[nn.Module]:
-    """The modules that reduce (FSDP: gather) their parameters together: each decoder layer,
-    then the root (embedding, LM head, vision encoder: the vision tower runs on some ranks'
-    batches only, so it shares the root's reduction, which zero-fills unused gradients).
-    `roots`: a pipeline rank's stage modules, whose forwards the schedule calls, in place of the
-    model (whose own forward a stage never runs)."""
-    return [*model.layers.values(), *(roots if roots is not None else [model])]
+def _units(model: K3Model, roots: list[nn.Module] | None = None
+           ) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The modules that reduce (FSDP: gather) their parameters together: (each decoder layer,
+    the roots). The root holds the embedding, LM head and vision encoder: the vision tower runs
+    on some ranks' batches only, so it shares the root's reduction, which zero-fills unused
+    gradients. `roots`: a pipeline rank's stage modules, whose forwards the schedule calls, in
+    place of the model (whose own forward a stage never runs)."""
+    return list(model.layers.values()), roots if roots is not None else [model]
 
 
 def _shard_beside_strided_rows(param: nn.Parameter) -> Shard | None:
@@ -66,22 +67,39 @@ def _shard_beside_strided_rows(param: nn.Parameter) -> Shard | None:
 
 def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
                         expert_mesh: DeviceMesh | None = None,
-                        roots: list[nn.Module] | None = None) -> None:
+                        roots: list[nn.Module] | None = None,
+                        param_dtype: torch.dtype | None = None) -> None:
     """Wraps `model` in place for data parallelism over `mesh` (1-D: every data-parallel rank
     for modes none and optimizer, the shard ranks for full; 2-D dp_replicate x dp_shard for
     HSDP with mode full). `expert_mesh` (mode full under expert parallelism): the
     expert-data-parallel ranks, which hold the same experts; each MoE layer's experts become
     their own unit sharded over it first, so the enclosing layer leaves them out (torchtitan's
     dp_shard_mod_ep). `roots`: see `_units` (pipeline stages; torch's schedules then hold
-    back the reduce-scatters until a step's last micro-batch)."""
+    back the reduce-scatters until a step's last micro-batch). `param_dtype` (mode full): the
+    dtype FSDP2 gathers the decoder layers' parameters in (None: as they are, the fp32
+    master); the routers then become units of their own gathered as they are, since their
+    scores are computed in fp32 (a near-tie decided on bf16-rounded weights routes a token
+    elsewhere)."""
     if mode not in MODES:
         raise ValueError(f"parallel.data_shard={mode!r}: must be one of {list(MODES)}")
-    units = [(unit, mesh) for unit in _units(model, roots)]
-    if expert_mesh is not None:
-        units = [(moe.experts, expert_mesh) for moe in model.moe_layers()] + units
     reduce_dtype = compute_dtype(*{p.dtype for p in model.parameters()})
-    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-    for unit, unit_mesh in units:
+    as_held = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    gathered, routers = as_held, []
+    if mode == "full" and param_dtype not in (None, reduce_dtype):
+        # Inputs as they come: autocast casts where an op computes in bf16, and a cast here
+        # would copy every AttnRes block into each layer (and into its checkpoint).
+        gathered = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                        cast_forward_inputs=False)
+        routers = [moe.router for moe in model.moe_layers()]
+    layers, roots = _units(model, roots)
+    # The roots gather as held: a stage accumulates its gradients over the micro-batches in
+    # fp32, and FSDP2 zero-fills an unused parameter's (a text batch's vision tower) in the
+    # gathered dtype, which it then cannot reduce-scatter beside the accumulated ones.
+    units = [(unit, mesh, gathered) for unit in layers] + [(unit, mesh, as_held) for unit in roots]
+    if expert_mesh is not None:
+        units = [(moe.experts, expert_mesh, gathered) for moe in model.moe_layers()] + units
+    units = [(router, mesh, as_held) for router in routers] + units
+    for unit, unit_mesh, policy in units:
         if mode == "full":
             fully_shard(unit, mesh=unit_mesh, mp_policy=policy,
                         shard_placement_fn=_shard_beside_strided_rows)
@@ -89,7 +107,7 @@ def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(unit, mesh=unit_mesh, mp_policy=policy)
-    for unit, _ in units:
+    for unit, *_ in units:
         assert isinstance(unit, FSDPModule)
         unit.set_gradient_divide_factor(1.0)  # a sum: see the module docstring
         # Plain SUM collectives (gloo has no PREMUL_SUM; the factor is 1 anyway).

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -109,22 +110,29 @@ class LocalCompute(ParallelStyle):
     """
 
     def __init__(self, shards: dict[str, Placement], *, param_grad: Placement,
-                 input_grad: Placement, output: Placement, activation: Placement):
+                 input_grad: Placement, output: Placement, activation: Placement,
+                 separately: tuple[str, ...] = ()):
+        """`separately`: submodules that take their parameters' local tensors when they run
+        (see _localise_when_run)."""
         super().__init__()
         self.shards = shards
         self.param_grad, self.input_grad = param_grad, input_grad
         self.output, self.activation = output, activation
+        self.separately = separately
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_parameters(module, device_mesh, self.shards)
         module.forward = functools.partial(self._forward, module, module.forward, device_mesh)
+        for name in self.separately:
+            _localise_when_run(module.get_submodule(name), self._grad_placement)
         return module
 
+    def _grad_placement(self, p: DTensor) -> Placement:
+        return self.param_grad if isinstance(p.placements[0], Replicate) else p.placements[0]
+
     def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x, *args, **kwargs):
-        local = {}
-        for name, p in module.named_parameters():
-            grad = self.param_grad if isinstance(p.placements[0], Replicate) else p.placements[0]
-            local[name] = p.to_local(grad_placements=[grad])
+        local = _local_parameters(module, self._grad_placement,
+                                  skip=tuple(f"{name}." for name in self.separately))
         if isinstance(x, DTensor):
             x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[self.input_grad])
         with _reparametrize_module(module, local):
@@ -146,22 +154,49 @@ class SplitTokens(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_parameters(module, device_mesh, {}, keep_local=is_expert_parameter)
         module.forward = functools.partial(self._forward, module, module.forward, device_mesh)
+        _localise_when_run(module.router, _partial_sum)
         return module
 
     def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x: DTensor,
                  token_mask: torch.Tensor | None = None) -> DTensor:
-        # The experts are not the tensor-parallel layout's (FSDP2 may have made them DTensors
-        # over the expert-data ranks: its own hooks hand their forward the gathered weights,
-        # also when activation checkpointing recomputes the layer).
-        local = {name: p.to_local(grad_placements=[Partial()])
-                 for name, p in module.named_parameters()
-                 if isinstance(p, DTensor) and not is_expert_parameter(p)}
         x = x.redistribute(mesh, [Shard(0)]).to_local(grad_placements=[Shard(0)])
         if token_mask is not None:  # the same rows as DTensor's Shard(0) (torch.chunk)
             token_mask = token_mask.chunk(mesh.size())[mesh.get_local_rank()]
-        with _reparametrize_module(module, local):
+        with _reparametrize_module(module, _local_parameters(module, _partial_sum,
+                                                             skip=("router.",))):
             out = forward(x, token_mask)
         return DTensor.from_local(out, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+
+
+def _partial_sum(p: DTensor) -> Placement:
+    return Partial()
+
+
+def _local_parameters(module: nn.Module, grad_placement: Callable[[DTensor], Placement],
+                      skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The DTensor parameters of `module` (not those under `skip`) as local tensors whose
+    gradients take `grad_placement(parameter)`. The experts under expert parallelism are not the
+    tensor-parallel layout's (FSDP2 may have made them DTensors over the expert-data ranks: its
+    own hooks hand their forward the gathered weights, also when activation checkpointing
+    recomputes the layer)."""
+    return {name: p.to_local(grad_placements=[grad_placement(p)])
+            for name, p in module.named_parameters()
+            if isinstance(p, DTensor) and not is_expert_parameter(p) and not name.startswith(skip)}
+
+
+def _localise_when_run(module: nn.Module,
+                       grad_placement: Callable[[DTensor], Placement]) -> None:
+    """`module` runs on its parameters' local tensors taken when it runs, not when its parent
+    does: FSDP2 may gather it as a unit of its own (the router, kept fp32 under
+    parallel.fsdp_param_dtype=compute), whose hook hands it the gathered weights only then."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with _reparametrize_module(module, _local_parameters(module, grad_placement)):
+            return forward(*args, **kwargs)
+
+    module.forward = run
 
 
 class ReplicateParameters(ParallelStyle):
@@ -237,7 +272,7 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: b
         elif isinstance(layer.mlp, LatentMoE):
             plan[f"{prefix}.mlp"] = LocalCompute({}, param_grad=Replicate(),
                                                  input_grad=Replicate(), output=Replicate(),
-                                                 activation=act)
+                                                 activation=act, separately=("router",))
         for name in ("attn_norm", "mlp_norm", "attn_mix", "mlp_mix"):
             if getattr(layer, name) is not None:
                 plan[f"{prefix}.{name}"] = ReplicateParameters()

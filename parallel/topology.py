@@ -39,6 +39,7 @@ from .config import ParallelConfig
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 DATA_SHARD_MODES = ("none", "optimizer", "full")
+FSDP_PARAM_DTYPES = ("compute", "master")  # see ParallelConfig.fsdp_param_dtype
 EXPERT_DISPATCH = ("moonep", "dynamic")
 MOONEP_TRANSPORTS = ("collective", "symm_mem")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -172,6 +173,9 @@ class Topology:
             _fail("parallel.timeout_s", p.timeout_s, "must be > 0 (seconds)")
         if p.data_shard not in DATA_SHARD_MODES:
             _fail("parallel.data_shard", p.data_shard, f"must be one of {list(DATA_SHARD_MODES)}")
+        if p.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
+            _fail("parallel.fsdp_param_dtype", p.fsdp_param_dtype,
+                  f"must be one of {list(FSDP_PARAM_DTYPES)}")
         if model is not None:  # before the world size: a model that cannot split fails first
             check_model_fits(model, tp=p.tensor, ep=p.expert, etp=p.expert_tensor,
                              pp=p.pipeline, virtual_stages=vs)

@@ -8,8 +8,9 @@ parallel layout, from the same configs as `k3-train`.
 same layout, and whether each fits an H200 (141 GB, 10% kept free).
 
 The model is built on the meta device (no memory, no time), so the counts are the real module's.
-Memory is an estimate: fp32 weights as the step holds them (whole; FSDP2's gathered, which a
-pipeline stage keeps through its micro-batches), fp32 gradients, FSDP2's fp32 master shards and
+Memory is an estimate: the weights as the step holds them (whole; FSDP2's gathered, which a
+pipeline stage keeps through its micro-batches: bf16 under parallel.fsdp_param_dtype=compute,
+else fp32 and autocast's bf16 copies), fp32 gradients, FSDP2's fp32 master shards and
 the optimizer states (AdamW 2, Muon 1 fp32 per parameter), sharded (ZeRO-1 or FSDP2) over the
 data-parallel ranks of each parameter within one HSDP replica, and activations from the tensors
 the modules save for backward, traced on the meta device (see activation_bytes). Data-parallel
@@ -136,18 +137,43 @@ def activation_bytes(cfg: K3Config, seq_len: int, micro_batch: int, layout: Topo
     return (saved * layout.pp + recompute) / layout.tp
 
 
+def _bf16(precision: str) -> bool:
+    return precision in ("auto", "bf16", "mxfp4_qat")  # auto: k3-plan sizes GPUs
+
+
+def gathered_bytes(precision: str, data_shard: str, fsdp_param_dtype: str) -> int:
+    """Bytes per element of a decoder layer's parameters as the step uses them whole: 2 where
+    FSDP2 gathers them in bf16 (parallel.fsdp_param_dtype=compute under bf16; the routers and
+    the root's embedding, head and vision tower stay fp32), else the parameters' own (fp32, or
+    float64)."""
+    if _bf16(precision) and data_shard == "full" and fsdp_param_dtype == "compute":
+        return 2
+    return 8 if precision == "fp64" else 4
+
+
+def held_weight_bytes(precision: str, data_shard: str, fsdp_param_dtype: str) -> int:
+    """Bytes per parameter a rank holds whole during the step, besides the shards, gradients
+    and optimizer state: the gathered parameters, and where they are fp32 under bf16 autocast
+    also their bf16 copies, which autocast keeps until its region ends (a pipeline schedule's
+    step spans it)."""
+    held = gathered_bytes(precision, data_shard, fsdp_param_dtype)
+    return held + 2 if _bf16(precision) and held == 4 else held
+
+
 def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_len: int,
-                   micro_batch: int, checkpointing: bool,
-                   fitted: bool = False) -> dict[str, float]:
+                   micro_batch: int, checkpointing: bool, fitted: bool = False,
+                   weight_bytes: int = 6) -> dict[str, float]:
+    """`weight_bytes`: held_weight_bytes of the run (default: fp32 parameters under bf16
+    autocast)."""
     routed = counts.routed_experts
     dense = counts.total - routed
     dense_local = dense / (layout.tp * layout.pp)
     expert_local = routed / (layout.ep * layout.etp * layout.pp)
     states = 2 if optimizer == "adamw" else 1  # Muon: one momentum buffer (AdamW on the rest)
-    # The parameters are fp32 (autocast's bf16 copies live for one operator); FSDP2 gathers
-    # them in fp32, and under the pipeline a stage keeps them gathered (and its gradients
-    # unsharded) until the step's last micro-batch.
-    weights = 4 * (dense_local + expert_local)
+    # Under the pipeline a stage keeps its parameters gathered (and its gradients unsharded)
+    # until the step's last micro-batch; without it FSDP2 gathers a layer at a time, which
+    # this counts as a stage would (an upper bound).
+    weights = weight_bytes * (dense_local + expert_local)
     grads = 4 * (dense_local + expert_local)  # fp32 gradient accumulation
     # Sharded within a replica: HSDP's replicas each hold the whole state. FSDP2 keeps the
     # fp32 parameters' shards besides (the master weights); otherwise the parameters are them.
@@ -163,18 +189,21 @@ def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_
             "total_gib": total / GiB}
 
 
-def data_parallel_bytes(model: K3Model, layout: Topology,
-                        tokens_per_step: int = 0) -> dict[str, int]:
+def data_parallel_bytes(model: K3Model, layout: Topology, tokens_per_step: int = 0,
+                        gather_bytes: int = 4) -> dict[str, int]:
     """Bytes one rank passes to each data-parallel collective per optimizer step (the buffer of
     every call: all_reduce's and broadcast's tensor, all_gather's output, reduce_scatter's
     input; fp32 parameters and gradients), for a rank holding the root parameters (embedding,
-    LM head, vision). `model`: the built (meta-device) model. With N this rank's parameters
-    and N_root those of the root unit:
+    LM head, vision). `model`: the built (meta-device) model; `gather_bytes`: gathered_bytes
+    of the run. With N this rank's parameters, N_root those of the root unit and N_gathered
+    those FSDP2 gathers in g = gather_bytes (all but the root's and the routers'; N_gathered = 0
+    when g = 4):
 
         none        all_reduce 4N
         optimizer   all_reduce 4N; broadcast 4N (owners send updated parameters within a replica)
-        full        all_gather 4N + 4(N - N_root) (non-root units gather again in backward);
-                    reduce_scatter 4N; HSDP adds all_reduce 4N / (dp_shard x cp) (the shards)
+        full        all_gather G + G - 4 N_root, G = 4N - (4 - g) N_gathered (non-root units
+                    gather again in backward); reduce_scatter 4N; HSDP adds all_reduce
+                    4N / (dp_shard x cp) (the shards)
         expert      all_reduce 4 N_dense over dp x cp and 4 N_experts over expert-data ranks
         QB counts   every MoE layer's statistics ([E, bins + 1]), one all_reduce, in int32 below
                     2**31 tokens a step (parallel.apply.qb_count_dtype)
@@ -190,7 +219,9 @@ def data_parallel_bytes(model: K3Model, layout: Topology,
     experts = routed / (layout.ep * layout.etp * layout.pp)
     dense = (counts.total - routed) / (layout.tp * layout.pp)
     root = sum(n for name, n in sizes.items() if not name.startswith("layers.")) / layout.tp
+    routers = sum(n for name, n in sizes.items() if ".router." in name) / (layout.tp * layout.pp)
     n = dense + experts
+    gathered = (4 - gather_bytes) * (n - root - routers)  # bytes a narrower gather saves
     shards = layout.dp_shard * layout.cp
     out: dict[str, float] = {}
     if layout.ep > 1:  # dense and expert gradients each over their own ranks (no sharding)
@@ -202,7 +233,7 @@ def data_parallel_bytes(model: K3Model, layout: Topology,
         if shards > 1:
             out["broadcast"] = 4 * n
     else:
-        out["all_gather"] = 4 * n + 4 * (n - root)
+        out["all_gather"] = 2 * (4 * n - gathered) - 4 * root
         out["reduce_scatter"] = 4 * n
         if layout.dp_replicate > 1:
             out["all_reduce"] = 4 * n / shards
@@ -219,13 +250,14 @@ RESERVE = 0.10  # CUDA context, NCCL buffers, allocator fragmentation
 
 
 def long_context_memory(cfg: K3Config, counts, layout: Topology, optimizer: str,
-                        micro_batch: int, checkpointing: bool) -> list[dict]:
+                        micro_batch: int, checkpointing: bool,
+                        weight_bytes: int = 6) -> list[dict]:
     """Memory per GPU at each context stage with this layout (each CP rank holds seq/cp tokens
     of every sequence) and whether it fits an H200 with RESERVE kept free."""
     rows = []
     for seq in LONG_CONTEXT:
         mem = memory_per_gpu(cfg, counts, layout, optimizer, seq, micro_batch, checkpointing,
-                             fitted=True)
+                             fitted=True, weight_bytes=weight_bytes)
         rows.append({"seq_len": seq, **mem,
                      "fits_h200": mem["total_gib"] * GiB <= (1 - RESERVE) * H200_BYTES})
     return rows
@@ -237,6 +269,8 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict
     counts = count_parameters(model)
     layout = plan_topology(cfg, world_size)
     seq = cfg.stage.seq_len
+    weight_bytes = held_weight_bytes(cfg.precision.name, layout.data_shard,
+                                     cfg.parallel.fsdp_param_dtype)
     return {
         "model": cfg.model.name,
         "parameters": counts.as_dict(),
@@ -246,13 +280,15 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict
         "layout": layout_dict(layout),
         "memory_per_gpu": memory_per_gpu(cfg.model, counts, layout, cfg.optim.name, seq,
                                          cfg.stage.micro_batch_size,
-                                         cfg.activation_checkpointing),
+                                         cfg.activation_checkpointing,
+                                         weight_bytes=weight_bytes),
         "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
-        "data_parallel_bytes": data_parallel_bytes(model, layout,
-                                                   cfg.stage.global_batch_size * seq),
+        "data_parallel_bytes": data_parallel_bytes(
+            model, layout, cfg.stage.global_batch_size * seq,
+            gathered_bytes(cfg.precision.name, layout.data_shard, cfg.parallel.fsdp_param_dtype)),
         **({"long_context": long_context_memory(cfg.model, counts, layout, cfg.optim.name,
                                                 cfg.stage.micro_batch_size,
-                                                cfg.activation_checkpointing)}
+                                                cfg.activation_checkpointing, weight_bytes)}
            if long_context else {}),
     }
 

@@ -42,6 +42,8 @@ from tests.helpers.parallel_harness import parallel_config
     (dict(data_replicate=2, data_shard="full", expert=4), 4, None,
      "parallel.data_replicate=2 is invalid: must divide expert_data"),
     (dict(data_shard="zero3"), 4, None, "parallel.data_shard='zero3'"),
+    (dict(data_shard="full", fsdp_param_dtype="bf16"), 4, None,
+     "parallel.fsdp_param_dtype='bf16' is invalid: must be one of ['compute', 'master']"),
     (dict(expert_dispatch="alltoall"), 4, None, "parallel.expert_dispatch='alltoall'"),
     (dict(moonep_transport="nvshmem"), 4, None, "parallel.moonep.transport='nvshmem'"),
     (dict(moonep_alignment=0), 4, None, "parallel.moonep.alignment=0"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -85,3 +86,40 @@ def test_a_rank_outside_the_world_is_refused_by_name(tmp_path):
     cfg.stage.global_batch_size = 16
     with pytest.raises(ConfigError, match=r"dry_run.rank=8 .*\[0, dry_run.world_size=8\)"):
         validate_train_config(cfg, data=False)
+
+
+@pytest.mark.parametrize("fsdp_param_dtype", ["compute", "master"])
+def test_fsdp2_gathers_layers_in_bf16_and_the_routers_in_fp32(tmp_path, fsdp_param_dtype):
+    """FSDP2 at world 4 under bf16 autocast: the bytes it gathers and reduce-scatters in one
+    step equal k3-plan's count, which takes the decoder layers at 2 bytes a parameter with
+    parallel.fsdp_param_dtype=compute (the routers, embedding and head at 4), all at 4 with
+    master; gradients reduce in fp32 either way."""
+    from model.k3 import K3Model
+    from train.sizing import data_parallel_bytes, gathered_bytes
+
+    cfg = dry_run_config(_tiny(tmp_path, data_shard="full", fsdp_param_dtype=fsdp_param_dtype))
+    cfg.stage.micro_batch_size, cfg.stage.global_batch_size = 1, 4  # one micro-batch a rank
+    validate_train_config(cfg, 4, data=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    topology = Topology.from_config(cfg.parallel, 4, cfg.model).initialize("cpu")
+    try:
+        got = measure_step(cfg, topology, FakeTensorMode(allow_non_fake_inputs=True))
+    finally:
+        topology.destroy()
+        dist.destroy_process_group()
+    gather = gathered_bytes(cfg.precision.name, "full", fsdp_param_dtype)
+    assert gather == {"compute": 2, "master": 4}[fsdp_param_dtype]
+    with torch.device("meta"):
+        meta = K3Model(cfg.model)
+    planned = data_parallel_bytes(meta, topology, gather_bytes=gather)
+    # FSDP2 pads each parameter's dim 0 to a multiple of the 4 shards, which k3-plan leaves out.
+    padding = {"all_gather": 0, "reduce_scatter": 0}
+    for name, p in meta.named_parameters():
+        rows = -p.shape[0] % 4 * p[0].numel()
+        layer = name.startswith("layers.")
+        width = gather if layer and ".router." not in name else 4
+        padding["all_gather"] += rows * width * (2 if layer else 1)  # layers gather again
+        padding["reduce_scatter"] += rows * 4
+    assert padding["reduce_scatter"] > 0
+    for op in padding:
+        assert got.collective_bytes[op] == planned[op] + padding[op], op
