@@ -6,8 +6,10 @@ parallel plans, MoonEP dispatch and optimizers. What it measures goes to
 
     world_size, rank, layout          the job and the validated layout
     parameters_on_rank                elements of the parameters this rank holds (its shards)
-    peak_memory_bytes                 the step's peak of tensor memory on the device, in
-                                      the CUDA allocator's 512-byte blocks (step_probes.py)
+    peak_memory_bytes                 a step's peak of tensor memory on the device, in
+                                      the CUDA allocator's 512-byte blocks (step_probes.py),
+                                      with the optimizer state a first step only makes
+                                      in its update
     memory_bytes                      what the peak is made of at known points: parameters
                                       and buffers, the gradients once reduced, the optimizer
                                       state after the step
@@ -44,7 +46,7 @@ from model.ops import dispatch
 from parallel.topology import Topology
 
 from .config import TrainConfig, validate_train_config
-from .step_probes import CollectiveBytes, StepMemory
+from .step_probes import CollectiveBytes, StepMemory, allocator_bytes
 
 log = logging.getLogger("k3.train")
 
@@ -251,16 +253,23 @@ def measure_step(cfg: TrainConfig, topology: Topology | None, fake=None,
         sizes["parameters"] = _nbytes(params) + _nbytes(list(model.buffers()))
         memory.track([params, list(model.buffers())])
 
+        peaks = {}
+
         def after_backward(model):  # the reduced gradients, before clipping
             sizes["gradients"] = _nbytes([_local(p.grad) for p in model.parameters()
                                           if p.grad is not None])
+            peaks["forward_backward"] = memory.restart_peak()
 
         # Only `kernels` in the step: building on the CPU registers the native kernels.
         with storage(), memory, counter, dispatch.only(kernels or {}):
             train_step(model, optimizers, micro_batches, device, precision, parallel, cfg.optim,
                        on_gradients=after_backward, check_finite=False)
-        sizes["optimizer_state"] = _nbytes([list(opt.state.values()) for opt in optimizers])
-    return StepMeasurement(sum(p.numel() for p in params), memory.peak, sizes,
+        state = [list(opt.state.values()) for opt in optimizers]
+        sizes["optimizer_state"] = _nbytes(state)
+    # The first step makes the optimizer state in its update; every later step's forward and
+    # backward run beside it (and are otherwise the same: the gradients start unset each step).
+    peak = max(peaks["forward_backward"] + _nbytes(state, rounded=True), memory.peak)
+    return StepMeasurement(sum(p.numel() for p in params), peak, sizes,
                            dict(sorted(counter.bytes.items())),
                            dict(sorted(counter.calls.items())))
 
@@ -310,13 +319,15 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _nbytes(tensors) -> int:
-    """Bytes of the distinct storages under `tensors` (nested lists and dicts of tensors)."""
+def _nbytes(tensors, rounded: bool = False) -> int:
+    """Bytes of the distinct storages under `tensors` (nested lists and dicts of tensors);
+    `rounded`: each in the allocator's blocks, as StepMemory counts them."""
     from torch.utils._pytree import tree_leaves
 
     seen = {}
     for t in tree_leaves(tensors):
         if isinstance(t, torch.Tensor):
-            t = _local(t)
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            storage = _local(t).untyped_storage()
+            nbytes = storage.nbytes()
+            seen[storage._cdata] = allocator_bytes(nbytes) if rounded else nbytes
     return sum(seen.values())

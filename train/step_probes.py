@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_leaves
 BLOCK = 512  # the CUDA caching allocator's smallest block and rounding
 
 
-def _rounded(nbytes: int) -> int:
+def allocator_bytes(nbytes: int) -> int:
+    """`nbytes` as the CUDA caching allocator hands them out (whole blocks)."""
     return -(-nbytes // BLOCK) * BLOCK
 
 
@@ -51,6 +52,11 @@ class StepMemory(TorchDispatchMode):
         self.peak = 0
         self._resize = None
 
+    def restart_peak(self) -> int:
+        """The peak so far; from here the peak starts again at the bytes live now."""
+        peak, self.peak = self.peak, self.current
+        return peak
+
     def track(self, tensors) -> None:
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
@@ -65,7 +71,7 @@ class StepMemory(TorchDispatchMode):
         weakref.finalize(storage, self._set, key, 0)
 
     def _set(self, key: int, nbytes: int) -> None:
-        held = _rounded(nbytes)
+        held = allocator_bytes(nbytes)
         self.current += held - self.live.get(key, 0)
         if nbytes:
             self.live[key] = held

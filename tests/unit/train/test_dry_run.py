@@ -123,3 +123,31 @@ def test_fsdp2_gathers_layers_in_bf16_and_the_routers_in_fp32(tmp_path, fsdp_par
     assert padding["reduce_scatter"] > 0
     for op in padding:
         assert got.collective_bytes[op] == planned[op] + padding[op], op
+
+
+def test_the_peak_is_a_later_steps_with_the_optimizer_state(tmp_path):
+    """The first step makes the optimizer state only in its update; the reported peak is a
+    later step's, measured here on a second real step (its probe tracking the parameters,
+    buffers and the state the first step left)."""
+    from model.ops import dispatch
+    from train.dry_run import synthetic_micro_batches
+    from train.loop import build_parallel_model, train_step
+    from train.step_probes import StepMemory
+
+    cfg = dry_run_config(_tiny(tmp_path))
+    reported = measure_step(cfg, None)
+    device = torch.device("cpu")
+    with dispatch.kernels_enabled(False):
+        model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
+        batches = synthetic_micro_batches(cfg, None)
+        steps = []
+        for step in range(2):
+            memory = StepMemory()
+            memory.track([list(model.parameters()), list(model.buffers()),
+                          [list(opt.state.values()) for opt in optimizers]])
+            with memory, dispatch.only({}):
+                train_step(model, optimizers, batches, device, precision, parallel, cfg.optim,
+                           check_finite=False)
+            steps.append(memory.peak)
+    assert steps[1] > steps[0] + reported.memory_bytes["optimizer_state"] // 2
+    assert abs(reported.peak_memory_bytes - steps[1]) <= PEAK_BLOCKS * 512
