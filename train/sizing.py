@@ -34,6 +34,7 @@ from model.k3 import K3Model
 from model.params import count_parameters
 from parallel.apply import qb_count_dtype
 from parallel.moonep.traffic import moe_layer_traffic
+from parallel.pipeline import crossing_blocks
 from parallel.topology import Topology
 
 from .cli import CONFIG_DIR, hydra_exit_codes, prepare_tool_argv, register_configs, to_train_config
@@ -160,29 +161,83 @@ def held_weight_bytes(precision: str, data_shard: str, fsdp_param_dtype: str) ->
     return held + 2 if _bf16(precision) and held == 4 else held
 
 
+def pipeline_buffer_bytes(cfg: K3Config, layout: Topology, seq_len: int, micro_batch: int,
+                          micro_batches: int) -> float:
+    """The receive buffers torch's pipeline stage makes for every micro-batch of a step and
+    keeps: the inputs from the stage before and the gradients from the stage after, each the
+    partial sum and the AttnRes blocks crossing the boundary (parallel/pipeline.py), bf16,
+    the tokens split by context and (sequence parallelism) tensor parallelism. Counted for a
+    middle stage, which receives both (the first stage only gradients, the last only inputs);
+    nothing without the pipeline."""
+    if layout.pp == 1:
+        return 0.0
+    first_of_next = -(-cfg.num_layers // layout.pp)
+    tensors = 1 + crossing_blocks(first_of_next, cfg.attnres_block_size)
+    tokens = micro_batch * seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    return 2 * micro_batches * tensors * tokens * cfg.hidden_size * 2
+
+
+def moe_dispatch_bytes(cfg: K3Config, layout: Topology, seq_len: int, micro_batch: int,
+                       transport: str) -> float:
+    """What one MoE layer's MoonEP dispatch holds at once besides the tensors the layer saves
+    (the largest layer's recomputation counts those), under expert parallelism: the weighted
+    expert rows before the combine (S*K x L, fp32), the combine's send and receive buffers
+    (fp32, S*min(K, R-1) rows each on symm_mem, R*S on collective), the tokens received
+    (bf16, as many rows) and the home experts' weights with this micro-batch's copies (2 E/R
+    experts, bf16). S: a rank's tokens (split by context and tensor parallelism)."""
+    if layout.ep == 1:
+        return 0.0
+    moe, ranks = cfg.moe, layout.ep
+    tokens = micro_batch * seq_len / layout.cp / layout.tp
+    rows = tokens * min(moe.top_k, ranks - 1) if transport == "symm_mem" else ranks * tokens
+    expert = 3 * moe.latent_dim * moe.expert_intermediate / layout.etp
+    return (tokens * moe.top_k * moe.latent_dim * 4 + rows * moe.latent_dim * (2 * 4 + 2)
+            + 2 * moe.num_experts / ranks * expert * 2)
+
+
 def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_len: int,
                    micro_batch: int, checkpointing: bool, fitted: bool = False,
-                   weight_bytes: int = 6) -> dict[str, float]:
+                   weight_bytes: int = 6, micro_batches: int | None = None) -> dict[str, float]:
     """`weight_bytes`: held_weight_bytes of the run (default: fp32 parameters under bf16
-    autocast)."""
+    autocast); `micro_batches` per step on a rank (default: one per pipeline stage, the fewest
+    the schedules take)."""
     routed = counts.routed_experts
     dense = counts.total - routed
     dense_local = dense / (layout.tp * layout.pp)
     expert_local = routed / (layout.ep * layout.etp * layout.pp)
     states = 2 if optimizer == "adamw" else 1  # Muon: one momentum buffer (AdamW on the rest)
-    # Under the pipeline a stage keeps its parameters gathered (and its gradients unsharded)
-    # until the step's last micro-batch; without it FSDP2 gathers a layer at a time, which
-    # this counts as a stage would (an upper bound).
-    weights = weight_bytes * (dense_local + expert_local)
-    grads = 4 * (dense_local + expert_local)  # fp32 gradient accumulation
+    # The ranks one parameter's FSDP2 / ZeRO-1 shards spread over, within one HSDP replica.
+    dense_shards = layout.dp_shard * layout.cp
+    expert_shards = layout.edp // layout.dp_replicate
+    # FSDP2 gathers whole rows of dim 0, padded to a multiple of the shards: a rank's experts
+    # (E / ep of them) gather as ceil(E / ep / shards) * shards.
+    experts = cfg.moe.num_experts // layout.ep
+    padded = (-(-experts // expert_shards) * expert_shards / experts
+              if layout.data_shard == "full" else 1)
     # Sharded within a replica: HSDP's replicas each hold the whole state. FSDP2 keeps the
     # fp32 parameters' shards besides (the master weights); otherwise the parameters are them.
     master = 4 if layout.data_shard == "full" else 0
     sharded = (dense_local + expert_local if layout.data_shard == "none"
-               else dense_local / layout.dp_shard + expert_local
-               / (layout.edp // layout.dp_replicate))
+               else dense_local / dense_shards + expert_local / expert_shards)
     master_and_states = (master + 4 * states) * sharded
-    acts = activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing, fitted)
+    if layout.data_shard == "full" and layout.pp == 1:
+        # FSDP2 alone gathers one decoder layer and prefetches the next, and reduce-scatters
+        # each layer's gradients as its backward ends; the root (embedding, head, vision
+        # tower) stays gathered, in fp32, and its gradients unsharded until the last one.
+        root = 2 * cfg.vocab_size * cfg.hidden_size / layout.tp + counts.vision
+        moe_layers = max(cfg.num_layers - cfg.num_dense_layers, 1)
+        layer = (dense_local - root) / cfg.num_layers + expert_local * padded / moe_layers
+        weights = 4 * root + 2 * weight_bytes * layer
+        grads = 4 * (root + layer + sharded)
+    else:
+        # Under the pipeline a stage keeps its parameters gathered and its gradients unsharded
+        # until the step's last micro-batch; the other modes hold them whole anyway.
+        weights = weight_bytes * (dense_local + expert_local * padded)
+        grads = 4 * (dense_local + expert_local)  # fp32 gradient accumulation
+    acts = (activation_bytes(cfg, seq_len, micro_batch, layout, checkpointing, fitted)
+            + pipeline_buffer_bytes(cfg, layout, seq_len, micro_batch,
+                                    micro_batches if micro_batches is not None else layout.pp)
+            + moe_dispatch_bytes(cfg, layout, seq_len, micro_batch, layout.moonep_transport))
     total = weights + grads + master_and_states + acts
     return {"weights_gib": weights / GiB, "grads_gib": grads / GiB,
             "optimizer_gib": master_and_states / GiB, "activations_gib": acts / GiB,
@@ -281,7 +336,9 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict
         "memory_per_gpu": memory_per_gpu(cfg.model, counts, layout, cfg.optim.name, seq,
                                          cfg.stage.micro_batch_size,
                                          cfg.activation_checkpointing,
-                                         weight_bytes=weight_bytes),
+                                         weight_bytes=weight_bytes,
+                                         micro_batches=cfg.stage.global_batch_size
+                                         // (cfg.stage.micro_batch_size * layout.dp)),
         "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
         "data_parallel_bytes": data_parallel_bytes(
             model, layout, cfg.stage.global_batch_size * seq,

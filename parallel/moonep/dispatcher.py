@@ -63,7 +63,8 @@ class MoonEPDispatcher:
 
     def combine(self, expert_out: torch.Tensor, dispatched: MoonEPDispatched) -> torch.Tensor:
         weight = dispatched.routes.slot_weight
-        rows = expert_out.to(combine_dtype(expert_out.dtype, weight.dtype)) * weight[:, None]
+        # Promoted by the multiply (exactly as a cast first), without a cast copy of the rows.
+        rows = expert_out * weight[:, None].to(combine_dtype(expert_out.dtype, weight.dtype))
         return self.transport.combine(rows, dispatched.routes).to(expert_out.dtype)
 
     def group_weights(self, w1: torch.Tensor, w2: torch.Tensor,

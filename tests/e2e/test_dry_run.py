@@ -42,7 +42,9 @@ def test_k3_small_dry_run_of_one_rank_of_256(tmp_path):
     assert result["peak_memory_bytes"] > memory["parameters"] + memory["optimizer_state"]
     assert set(result["collective_bytes"]) >= {"all_gather", "reduce_scatter", "all_reduce",
                                                "all_to_all"}
-    assert result["planned_memory_bytes"] > 0
+    # k3-plan's figure for the layout is within 20% of what the step holds at its peak
+    # (measured: 4.65 GiB against 4.8).
+    assert abs(result["peak_memory_bytes"] / result["planned_memory_bytes"] - 1) <= 0.2
     assert not (tmp_path / "checkpoints").exists()  # nothing trained, nothing saved
 
 

@@ -141,7 +141,7 @@ def test_the_peak_is_a_later_steps_with_the_optimizer_state(tmp_path):
         model, precision, parallel, optimizers = build_parallel_model(cfg, None, device)
         batches = synthetic_micro_batches(cfg, None)
         steps = []
-        for step in range(2):
+        for _ in range(2):
             memory = StepMemory()
             memory.track([list(model.parameters()), list(model.buffers()),
                           [list(opt.state.values()) for opt in optimizers]])
