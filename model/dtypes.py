@@ -25,6 +25,13 @@ def no_autocast(device_type: str):
     return contextlib.nullcontext()
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on `device_type` here; None outside autocast."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """x in at least fp32 (x itself when it already is)."""
     return x.to(compute_dtype(x.dtype))

@@ -21,6 +21,7 @@ from torch import nn
 
 from .attnres import DepthMix
 from .config import K3Config
+from .dtypes import autocast_dtype
 from .norms import RMSNorm
 from .ops import dispatch
 from .ops.fast_exp import exp_
@@ -131,10 +132,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     """Summed fp32 cross entropy of F.linear(hidden, weight) against labels, chunk_tokens rows
     at a time; hidden [..., d], weight [V, d], labels [...]. Equal to
     `full_logits_loss(F.linear(hidden, weight), labels)`, with its gradients."""
-    device_type = hidden.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        # The dtype F.linear would compute in; backward then runs in it too.
-        dtype = torch.get_autocast_dtype(device_type)
+    dtype = autocast_dtype(hidden.device.type)
+    if dtype is not None:  # the dtype F.linear would compute in; backward then runs in it too
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                             labels.reshape(-1), chunk_tokens)

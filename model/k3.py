@@ -12,6 +12,7 @@ from torch import nn
 from .attnres import BlockState, DepthMix
 from .batch import K3Batch, segment_ids
 from .config import K3Config
+from .dtypes import autocast_dtype
 from .head import IGNORE_INDEX, LMHead
 from .init import Locate, Normal, Rule, fill_, parameter_key, random_seed
 from .kda import KimiDeltaAttention
@@ -63,6 +64,14 @@ class DecoderLayer(nn.Module):
         else:
             out = self.mlp(h)
         return partial + out
+
+
+def embedded_in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """The token embeddings in autocast's dtype (bf16 under bf16 autocast): they are the first
+    AttnRes block, which every layer reads and which each micro-batch in flight keeps, as the
+    other blocks (sums of bf16 layer outputs) are kept."""
+    dtype = autocast_dtype(x.device.type)
+    return x if dtype is None else x.to(dtype)
 
 
 @dataclass
@@ -133,7 +142,7 @@ class K3Model(nn.Module):
 
     def embed_inputs(self, batch: K3Batch) -> torch.Tensor:
         """Token embeddings with the projected vision tokens written over the placeholders."""
-        x = self.embed(batch.tokens)
+        x = embedded_in_compute_dtype(self.embed(batch.tokens))
         if batch.vision is None or self.vision is None:
             return x
         b, t, d = x.shape

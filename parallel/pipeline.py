@@ -154,8 +154,8 @@ class StageModule(nn.Module):
         self._model[0].run_layers(state, batch, list(self.layers.values()))
         if self.last:
             return _local(self.head(state.sources(), batch.labels)[0]).to(self.loss_dtype)
-        # In the boundary's dtype, the receive buffers' (under bf16 autocast the partial sums
-        # are bf16 already; the embedding's block is rounded to bf16 here).
+        # In the boundary's dtype, the receive buffers' (under bf16 autocast every block and
+        # the partial sum are bf16 already, the embedding's too).
         return tuple(_local(x).to(self.boundary_dtype) for x in (state.partial, *state.blocks))
 
     def _wrap(self, x: torch.Tensor) -> torch.Tensor:

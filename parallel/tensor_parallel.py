@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from model.k3 import K3Model
+from model.k3 import K3Model, embedded_in_compute_dtype
 from model.kda import KimiDeltaAttention
 from model.mla import GatedMLA
 from model.mlp import SiTUGLUMLP
@@ -257,7 +257,7 @@ def _embed_inputs(model: K3Model, mesh: DeviceMesh, act: Placement, batch):
     runs the same on every tensor-parallel rank, so its gradients need no reduction) and its
     tokens are written into the gathered embedding, which then returns to the activation
     layout."""
-    x = model.embed(batch.tokens)
+    x = embedded_in_compute_dtype(model.embed(batch.tokens))
     if batch.vision is None or model.vision is None:
         return x
     whole = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Replicate()])
