@@ -13,14 +13,17 @@ no more than its share of them (Moonlight's and Dion's distributed Muon):
    A job no dimension cuts is orthogonalised locally, with no communication.
 2. One cut dimension (the largest: FSDP's) is the exchange's; any other (a column- or
    row-parallel tensor dimension) is all-gathered first, within it.
-3. Each job gets an owner among the ranks of its exchange dimension, greedily by block size,
-   largest first, so that each rank assembles and orthogonalises about 1/N of the blocks.
+3. A job's block larger than the ranks' mean share (P/N elements) is cut into pieces of whole
+   experts (a stack) or whole heads (a per-head job), each orthogonalised on its own anyway.
+   Each piece gets an owner among the ranks of its exchange dimension, greedily by size,
+   largest first, so that each rank assembles and orthogonalises about 1/N of them.
 4. One all_to_all per mesh, exchange dimension and dtype hands every owner the shards of its
-   blocks (each rank sends each local shard once); the owner assembles each block at the global
-   positions DTensor's placements give every shard (parallel/local_parts.py), orthogonalises
-   it, and a second all_to_all returns every rank its part.
-A rank so sends and receives about what it holds, O(P/N), and holds at most its own blocks: no
-rank gathers every matrix. The result equals the single-process update bit for bit: the same
+   pieces (each rank sends each local shard once); the owner assembles each piece at the
+   global positions DTensor's placements give every shard (parallel/local_parts.py),
+   orthogonalises it, and a second all_to_all returns every rank its part.
+A rank so sends and receives about what it holds, O(P/N), and holds at most its own pieces: no
+rank gathers every matrix, nor one matrix much larger than its share where heads or experts
+divide it. The result equals the single-process update bit for bit: the same
 whole matrices go through the same Newton-Schulz. Replicated dimensions (DDP replicas, HSDP's
 replicate dimension) compute redundantly: each replica exchanges within its own shard ranks.
 """
@@ -118,8 +121,8 @@ class DTensorExchange:
         return out
 
 
-def _pieces(shape: tuple, now: tuple, mesh, coordinate: tuple, mesh_dim: int
-            ) -> tuple[int, int, list[torch.Tensor]]:
+def _gathered_positions(shape: tuple, now: tuple, mesh, coordinate: tuple, mesh_dim: int
+                        ) -> tuple[int, int, list[list[int]]]:
     """Gathering along `mesh_dim`: (the tensor dimension it cuts, that dimension's extent once
     gathered, and for each rank r along it the positions its rows take there), from DTensor's
     placements `now` (parallel/local_parts.py)."""
@@ -132,7 +135,7 @@ def _pieces(shape: tuple, now: tuple, mesh, coordinate: tuple, mesh_dim: int
         at = list(coordinate)
         at[mesh_dim] = r
         rows = dim_index(shape[cut], cut, now, tuple(mesh.shape), tuple(at))
-        positions.append(torch.tensor([where[g] for g in rows], dtype=torch.long))
+        positions.append([where[g] for g in rows])
     return cut, len(target), positions
 
 
@@ -153,8 +156,11 @@ class _Block:
         placements = tuple(param.placements)
         self.steps = []  # (mesh dim, tensor dim, gathered extent, positions), in order
         for mesh_dim in [*self.gathered, self.dim]:
-            self.steps.append((mesh_dim, *_pieces(shape, placements, self.mesh, self.coordinate,
-                                                  mesh_dim)))
+            cut, extent, positions = _gathered_positions(shape, placements, self.mesh,
+                                                         self.coordinate, mesh_dim)
+            self.steps.append((mesh_dim, cut, extent,
+                               [torch.tensor(p, dtype=torch.long) for p in positions]))
+            self.host_positions = positions  # the last: the exchange dimension's
             placements = tuple(Replicate() if d == mesh_dim else pl
                                for d, pl in enumerate(placements))
         local = list(self.job.update.to_local().shape)
@@ -204,46 +210,121 @@ def _all_gather_rows(x: torch.Tensor, cut: int, extent: int, positions: list[tor
     return out
 
 
+@dataclass(eq=False)
+class _Piece:
+    """Whole heads or experts [lo, hi) of a block along `axis` (None: the whole block), which
+    one owner assembles and orthogonalises. For each rank r along the exchange dimension:
+    `take[r]`, the indices of its gathered shard that fall in the piece (along `axis`; None:
+    all of it), `place[r]`, where those rows go in the piece along the block's cut dimension,
+    and `shapes[r]`, the shape of its part."""
+
+    block: _Block
+    axis: int | None
+    lo: int
+    hi: int
+
+    def __post_init__(self):
+        b, self.take, self.place, self.shapes = self.block, [], [], []
+        device = b.job.update.device
+        for positions, host, shape in zip(b.positions, b.host_positions, b.shard_shapes,
+                                          strict=True):
+            shape = list(shape)
+            if self.axis is None:
+                take, place = None, positions
+            elif self.axis == b.cut:  # host integers: no sync, nothing data-dependent
+                inside = [(i, g - self.lo) for i, g in enumerate(host) if self.lo <= g < self.hi]
+                take = torch.tensor([i for i, _ in inside], dtype=torch.long, device=device)
+                place = torch.tensor([g for _, g in inside], dtype=torch.long, device=device)
+                shape[b.cut] = len(inside)
+            else:
+                take, place = torch.arange(self.lo, self.hi, device=device), positions
+                shape[self.axis] = self.hi - self.lo
+            self.take.append(take)
+            self.place.append(place)
+            self.shapes.append(tuple(shape))
+        self.shape = list(b.block_shape)
+        if self.axis is not None:
+            self.shape[self.axis] = self.hi - self.lo
+        self.elements = math.prod(self.shape)
+
+    def part(self, shard: torch.Tensor, r: int) -> torch.Tensor:
+        """Rank r's part of the piece from its gathered shard."""
+        return shard if self.take[r] is None else shard.index_select(self.axis, self.take[r])
+
+
+def _split_axis(block: _Block) -> tuple[int | None, int]:
+    """The dimension a block may be cut along into independently orthogonalised pieces, and how
+    many units (experts of a stack, heads of a per-head job) it holds: (None, 1) for a single
+    matrix."""
+    job, ndim = block.job, len(block.block_shape)
+    if ndim == 3:  # stacked experts: each is its own matrix
+        return 0, block.block_shape[0]
+    axis = job.head_axis - 2 + ndim
+    heads = job.num_heads * block.block_shape[axis] // job.param.shape[axis]
+    return (axis, heads) if heads > 1 else (None, 1)
+
+
+def _cut_into_pieces(block: _Block, target: int) -> list[_Piece]:
+    """The block in as few pieces of whole units as keep each near `target` elements."""
+    axis, units = _split_axis(block)
+    count = min(units, -(-math.prod(block.block_shape) // target))
+    if axis is None or count <= 1:
+        return [_Piece(block, None, 0, 0)]
+    unit = block.block_shape[axis] // units
+    bounds = [units * i // count * unit for i in range(count + 1)]
+    return [_Piece(block, axis, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
 def _exchange(group: list[_Block], ortho: Orthogonalize) -> list[torch.Tensor]:
-    """One exchange dimension's jobs: shards to owners, blocks orthogonalised, parts back."""
+    """One exchange dimension's jobs: shards to owners, pieces orthogonalised, parts back.
+
+    A block larger than the ranks' mean share is cut into pieces of whole experts or heads
+    (each orthogonalised on its own anyway) held by different owners, so that no owner
+    assembles much more than its share: a rank's peak stays O(P/N) at large N too."""
     first = group[0]
     mesh, dim = first.mesh, first.dim
     size, me = mesh.size(dim), mesh.get_local_rank(dim)
+    target = max(1, -(-sum(math.prod(b.block_shape) for b in group) // size))
+    pieces = [piece for b in group for piece in _cut_into_pieces(b, target)]
     load = [0] * size
     owner = {}
-    for block in sorted(group, key=lambda b: (-math.prod(b.block_shape), b.index)):
-        owner[block.index] = min(range(size), key=lambda r: (load[r], r))
-        load[owner[block.index]] += math.prod(block.block_shape)
-    mine = [b for b in group if owner[b.index] == me]
-    by_owner = [b for r in range(size) for b in group if owner[b.index] == r]
+    for piece in sorted(pieces, key=lambda q: (-q.elements, q.block.index, q.lo)):
+        owner[id(piece)] = min(range(size), key=lambda r: (load[r], r))
+        load[owner[id(piece)]] += piece.elements
+    mine = [q for q in pieces if owner[id(q)] == me]
+    by_owner = [q for r in range(size) for q in pieces if owner[id(q)] == r]
     shards = {b.index: b.gathered_shard() for b in group}
-    # Shards to their owners: per destination, this rank's shard of each job it owns.
-    to_owner = [math.prod(b.shard_shapes[me]) for b in by_owner]
-    send_splits = [sum(n for b, n in zip(by_owner, to_owner) if owner[b.index] == r)
+    # Shards to their owners: per destination, this rank's part of each piece it owns.
+    to_owner = [math.prod(q.shapes[me]) for q in by_owner]
+    send_splits = [sum(n for q, n in zip(by_owner, to_owner) if owner[id(q)] == r)
                    for r in range(size)]
-    recv_sizes = [math.prod(b.shard_shapes[r]) for r in range(size) for b in mine]
-    recv_splits = [sum(math.prod(b.shard_shapes[r]) for b in mine) for r in range(size)]
-    received = _all_to_all([shards[b.index].reshape(-1) for b in by_owner], send_splits,
-                           recv_splits, first.job.update.dtype, mesh.get_group(dim))
+    recv_sizes = [math.prod(q.shapes[r]) for r in range(size) for q in mine]
+    recv_splits = [sum(math.prod(q.shapes[r]) for q in mine) for r in range(size)]
+    received = _all_to_all([q.part(shards[q.block.index], me).reshape(-1) for q in by_owner],
+                           send_splits, recv_splits, first.job.update.dtype, mesh.get_group(dim))
     del shards
-    pieces = iter(received.split(recv_sizes))
-    blocks = {b.index: received.new_empty(b.block_shape) for b in mine}
+    parts = iter(received.split(recv_sizes))
+    assembled = {id(q): received.new_empty(q.shape) for q in mine}
     for r in range(size):
-        for b in mine:
-            blocks[b.index].index_copy_(b.cut, b.positions[r], next(pieces).view(b.shard_shapes[r]))
-    del received, pieces  # each buffer is let go once used: the exchange holds ~2x its share
+        for q in mine:
+            assembled[id(q)].index_copy_(q.block.cut, q.place[r], next(parts).view(q.shapes[r]))
+    del received, parts  # each buffer is let go once used: the exchange holds ~2x its share
     results = {}
-    for b in mine:
-        results[b.index] = ortho(blocks.pop(b.index), b.job)
-    # Parts back: per destination, its part of every block this rank owns.
-    parts = [results[b.index].index_select(b.cut, b.positions[r]).reshape(-1)
-             for r in range(size) for b in mine]
+    for q in mine:
+        results[id(q)] = ortho(assembled.pop(id(q)), q.block.job)
+    # Parts back: per destination, its part of every piece this rank owns.
+    back_parts = [results[id(q)].index_select(q.block.cut, q.place[r]).reshape(-1)
+                  for r in range(size) for q in mine]
     dtype = first.job.param.dtype
     del results
-    back = _all_to_all(parts, recv_splits, send_splits, dtype, mesh.get_group(dim))
-    local = dict(zip((b.index for b in by_owner),
-                     (x.view(b.shard_shapes[me]) for x, b in zip(back.split(to_owner), by_owner)),
-                     strict=True))
+    back = _all_to_all(back_parts, recv_splits, send_splits, dtype, mesh.get_group(dim))
+    local = {b.index: back.new_empty(b.shard_shapes[me]) for b in group}
+    for q, x in zip(by_owner, back.split(to_owner), strict=True):
+        out, x = local[q.block.index], x.view(q.shapes[me])
+        if q.take[me] is None:
+            out.copy_(x)
+        else:
+            out.index_copy_(q.axis, q.take[me], x)
     return [local[b.index] for b in group]
 
 

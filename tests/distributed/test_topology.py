@@ -1,5 +1,8 @@
-"""Four gloo ranks run collectives over every group and DeviceMesh of their topology."""
+"""Four gloo ranks run collectives over every group and DeviceMesh of their topology; in the
+same world, distributed Muon's exchange orthogonalises pieces of blocks larger than a rank's
+share on different owners, equal to one process."""
 
+import math
 
 import pytest
 import torch
@@ -43,6 +46,44 @@ def _check_hsdp(t: Topology, rank: int) -> None:
         assert_close_rms(getattr(reference, name).grad, p.grad.full_tensor(), 1e-6, name)
 
 
+# Two sets of Muon jobs over 4 FSDP shards: (shape, heads, head axis, shard dim, pieces). A block
+# larger than the mean share (the set's elements / 4) is cut into pieces of whole heads or
+# experts held by different owners: 12 heads of 6 rows in 3 pieces (the shards' 18 rows
+# straddle heads and pieces), 8 column heads of a row-sharded matrix in 2, and 6 experts of a
+# row-sharded stack in 4 (of 1 or 2 experts); the others stay whole blocks.
+MUON_JOB_SETS = [
+    [((72, 256), 12, 0, 0, 3), ((48, 192), 8, 1, 0, 2), ((20, 24), 1, 0, 0, 1),
+     ((6, 40, 24), 1, 0, 1, 1), ((36, 64), 1, 0, 0, 1)],
+    [((6, 40, 64), 1, 0, 1, 4), ((36, 64), 1, 0, 0, 1)],
+]
+
+
+def _check_muon_pieces() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from parallel.muon_exchange import DTensorExchange, LocalExchange, MatrixJob
+    from train.optim.muon import orthogonalize
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    generator = torch.Generator().manual_seed(0)
+    for jobs in MUON_JOB_SETS:
+        local, sharded = [], []
+        share = -(-sum(math.prod(shape) for shape, *_ in jobs) // 4)
+        for shape, heads, axis, dim, pieces in jobs:
+            units = shape[0] if len(shape) == 3 else heads
+            assert min(units, -(-math.prod(shape) // share)) == pieces, shape
+            update = torch.randn(shape, generator=generator, dtype=torch.float64)
+            param = torch.zeros(shape, dtype=torch.float64)
+            local.append(MatrixJob(update, param, heads, axis))
+            sharded.append(MatrixJob(distribute_tensor(update, mesh, [Shard(dim)]),
+                                     distribute_tensor(param, mesh, [Shard(dim)]), heads, axis))
+        expected = LocalExchange().orthogonalize(local, orthogonalize)
+        got = DTensorExchange().orthogonalize(sharded, orthogonalize)
+        for job, want, out in zip(jobs, expected, got, strict=True):
+            assert torch.equal(out.full_tensor(), want), job
+
+
 def _gloo_worker(rank: int, init_file: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -79,6 +120,7 @@ def _gloo_worker(rank: int, init_file: str) -> None:
             # tests/distributed/test_parallel_train.py)
             assert t.unresponsive_ranks(timeout_s=120) == [], parallel
             t.destroy()
+        _check_muon_pieces()
         dist.barrier()
     finally:
         dist.destroy_process_group()
