@@ -160,9 +160,9 @@ class _Block:
                                                          self.coordinate, mesh_dim)
             self.steps.append((mesh_dim, cut, extent,
                                [torch.tensor(p, dtype=torch.long) for p in positions]))
-            self.host_positions = positions  # the last: the exchange dimension's
             placements = tuple(Replicate() if d == mesh_dim else pl
                                for d, pl in enumerate(placements))
+        self.host_positions = positions  # the exchange dimension's (the last step's), host ints
         local = list(self.job.update.to_local().shape)
         for _, cut, extent, _ in self.steps[:-1]:
             local[cut] = extent

@@ -33,7 +33,7 @@ from model.errors import ConfigError
 from model.k3 import K3Model
 from model.params import count_parameters
 from parallel.apply import qb_count_dtype
-from parallel.moonep.traffic import moe_layer_traffic
+from parallel.moonep.traffic import moe_layer_traffic, symm_mem_rows
 from parallel.pipeline import crossing_blocks
 from parallel.topology import Topology
 
@@ -189,7 +189,8 @@ def moe_dispatch_bytes(cfg: K3Config, layout: Topology, seq_len: int, micro_batc
         return 0.0
     moe, ranks = cfg.moe, layout.ep
     tokens = micro_batch * seq_len / layout.cp / layout.tp
-    rows = tokens * min(moe.top_k, ranks - 1) if transport == "symm_mem" else ranks * tokens
+    rows = (symm_mem_rows(tokens, moe.top_k, ranks) if transport == "symm_mem"
+            else ranks * tokens)
     expert = 3 * moe.latent_dim * moe.expert_intermediate / layout.etp
     return (tokens * moe.top_k * moe.latent_dim * 4 + rows * moe.latent_dim * (2 * 4 + 2)
             + 2 * moe.num_experts / ranks * expert * 2)

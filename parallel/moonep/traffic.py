@@ -16,6 +16,12 @@ from parallel.moonep.transport import copy_piece
 INT32, INT64, FP32 = 4, 8, 4
 
 
+def symm_mem_rows(tokens: int, top_k: int, ranks: int) -> int:
+    """The most rows either symm_mem token buffer of a rank holds: a token travels once to each
+    other rank holding one of its entries, and its result back: S*min(K, R-1)."""
+    return tokens * min(top_k, ranks - 1)
+
+
 def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent: int,
                       intermediate: int, dispatch: str = "moonep",
                       activation_bytes: int = 2, transport: str = "collective") -> dict[str, dict]:
@@ -33,7 +39,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
         # it: at most S*K entries. A token travels once to each other rank holding one of its
         # entries, and its result back: at most S*min(K, R-1) rows either way. The copies take
         # the relay's two steps with only the copied experts' pieces: at most the relay's bytes.
-        rows = s * min(k, others)
+        rows = symm_mem_rows(s, k, r)
         forward = {
             "counts_all_gather": counts,
             "routing_exchange_max": s * k * (2 * INT32 + FP32),
