@@ -53,6 +53,7 @@ from .expert_parallel import (
     is_expert_parameter,
     mark_expert_parameters,
 )
+from .expert_tensor_parallel import apply_expert_tensor_parallel
 from .grad_norm import scale_grads_, squared_grad_norm
 from .local_parts import local_part
 from .muon_exchange import DTensorExchange, LocalExchange, MatrixExchange
@@ -198,13 +199,12 @@ class ParallelPlan:
 
     @property
     def sharded_state(self) -> ExpertShardedState | None:
-        """What checkpoints need to store parameters split over ranks outside DTensor (the
-        experts under expert parallelism) at their logical shapes; None otherwise."""
+        """What checkpoints need to store the experts at their logical shapes when they are
+        split outside the dense layout (expert and expert tensor parallelism); None
+        otherwise."""
         if not self.expert_parallel:
             return None
-        dims = (("ep", *_expert_data_dims(self.topology)) if self.data_parallel
-                else ("edp", "ep"))  # see ExpertShardedState
-        return ExpertShardedState(self.model, self.topology.mesh(*dims))
+        return ExpertShardedState(self.model, self.topology.mesh, self.topology.ep)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -317,6 +317,17 @@ def _expert_data_dims(topology) -> tuple[str, ...]:
     return ("edp_replicate", "edp_shard") if topology.dp_replicate > 1 else ("edp",)
 
 
+def _expert_mesh(topology, etp: bool):
+    """The expert-data ranks' mesh (`etp`: their dimensions of the mesh they form with the etp
+    ranks, which FSDP2 needs to shard the etp DTensors over them; else the etp dimension of
+    that mesh)."""
+    dims = _expert_data_dims(topology)
+    if topology.etp == 1:
+        return topology.mesh(*dims)
+    mesh = topology.mesh(*dims, "etp")
+    return mesh["etp"] if etp else mesh[dims if len(dims) > 1 else dims[0]]
+
+
 def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
                 device: torch.device | None = None,
                 activation_dtype: torch.dtype | None = None) -> ParallelPlan:
@@ -327,20 +338,20 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
     autocast dtype (None: none), which pipeline boundaries cross in."""
     if device is None:
         device = next(model.parameters()).device
-    if topology is not None and topology.etp > 1:
-        raise NotImplementedError("expert-tensor parallelism plugs in here; it is a separate "
-                                  "plan not applied to k3-train yet")
     plan = ParallelPlan(model, topology)
-    plan.expert_parallel = topology is not None and topology.ep > 1
+    plan.expert_parallel = topology is not None and (topology.ep > 1 or topology.etp > 1)
     plan.balancer_count_dtype = qb_count_dtype(cfg.stage.global_batch_size * cfg.stage.seq_len)
     mesh = None
     if topology is not None and topology.world_size > 1:
         mesh = topology.mesh(*_data_parallel_dims(topology), "tp")
+    if topology is not None and topology.etp > 1:
+        apply_expert_tensor_parallel(model, _expert_mesh(topology, etp=True))
+        mark_expert_parameters(model)  # new DTensor parameters
     if mesh is not None and topology.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel,
-                              expert_parallel=plan.expert_parallel)
-        if plan.expert_parallel:
-            plan.balancer_group = "dp_cp_tp"
+        # The experts are split (Topology refuses them whole on every tensor-parallel rank):
+        # each tensor-parallel rank routes its own tokens.
+        apply_tensor_parallel(model, mesh["tp"], topology.sequence_parallel)
+        plan.balancer_group = "dp_cp_tp"
     if mesh is not None and topology.cp > 1:
         plan.context = apply_context_parallel(model, topology)
     if cfg.activation_checkpointing:
@@ -362,7 +373,7 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
             # Under the pipeline each stage is FSDP2's root: the schedule runs the stages, never
             # the model's own forward.
             apply_data_parallel(model, mesh[dims] if len(dims) > 1 else mesh[dims[0]], mode,
-                                (topology.mesh(*_expert_data_dims(topology))
+                                (_expert_mesh(topology, etp=False)
                                  if plan.expert_parallel else None),
                                 roots=plan.pipeline.modules if plan.pipeline else None,
                                 param_dtype=(activation_dtype if cfg.parallel.fsdp_param_dtype

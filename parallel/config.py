@@ -33,7 +33,9 @@ class ParallelConfig:
     sequence_parallel: bool = True  # with tensor > 1: norms and AttnRes mixes sharded on T
     context: int = 1
     expert: int = 1
-    expert_tensor: int = 1
+    # Each expert's intermediate dimension split over this many ranks (Megatron's ETP); -1: the
+    # tensor-parallel size without expert parallelism (the MoE split like the dense MLP), 1 with it
+    expert_tensor: int = -1
     expert_dispatch: str = "moonep"  # moonep (static shapes, no host sync) | dynamic (baseline)
     moonep: MoonEPConfig = field(default_factory=MoonEPConfig)
     pipeline: int = 1

@@ -12,10 +12,15 @@ experts then are their own FSDP unit over the expert-data-parallel mesh).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from model.k3 import K3Model
 from parallel.data_parallel import allreduce_gradients
@@ -110,72 +115,93 @@ def clip_grad_norm_expert_parallel(model: nn.Module, max_norm: float,
     return total
 
 
+@dataclass
+class _ExpertLayout:
+    """How one expert parameter is held and how checkpoints see it: `held_mesh` and
+    `held_placements` its DTensor's (None: a plain tensor); `mesh` spans the stage's expert
+    layout, `placements` are the held tensor's there, `saved` the checkpoint's (a strided etp
+    shard made contiguous)."""
+
+    held_mesh: DeviceMesh | None
+    held_placements: list
+    mesh: DeviceMesh
+    placements: list
+    saved: list
+
+
+def _expert_layout(param: torch.Tensor, mesh_of: Callable[..., DeviceMesh]) -> _ExpertLayout:
+    if not isinstance(param, DTensor):
+        return _ExpertLayout(None, [], mesh_of("edp", "ep"), [Replicate(), Shard(0)],
+                             [Replicate(), Shard(0)])
+    held = param.device_mesh.mesh_dim_names
+    # The expert-data ranks are in the held mesh when FSDP2 shards over them; else replicas.
+    outer = ("ep",) if any(d.startswith("edp") for d in held) else ("edp", "ep")
+    placements = [Replicate()] * (len(outer) - 1) + [Shard(0), *param.placements]
+    saved = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for pl in placements]
+    return _ExpertLayout(param.device_mesh, list(param.placements), mesh_of(*outer, *held),
+                         placements, saved)
+
+
 class ExpertShardedState:
     """Shows torch.distributed.checkpoint the logical experts: in the model and optimizer state
     dicts (get_state_dict's, keyed by parameter name) each expert tensor becomes a DTensor of
-    the full [E, ...] shape, Shard(0) over the EP ranks, so a checkpoint holds every expert once
-    and loads into any EP layout or one process. `mesh`: the 2-D (edp, ep) mesh when every
-    expert-data-parallel rank holds its home experts whole (replicated over edp); when FSDP2
-    shards them over the expert-data-parallel ranks too, ep followed by FSDP2's own mesh of
-    them, (ep, edp) or under HSDP (ep, edp_replicate, edp_shard) (expert e's rows: EP rank
-    outer, FSDP2's shard inner). Both methods return new dicts (the inputs may share their
-    inner dicts with the live optimizer state); the DTensors share the local tensors' storage,
-    so a load fills the local shards and `unwrap` hands back this rank's tensors as they were
-    (plain, or FSDP2's DTensors)."""
+    the full [E, ...] shape, so a checkpoint holds every expert once and loads into any expert
+    layout or one process. Its mesh spans the stage's expert layout: ep outer (Shard(0): expert
+    e's rows on EP rank e // (E/ep)), then the mesh the tensor is held on with its placements
+    (FSDP2's expert-data ranks, with Shard(0) inside an EP rank's experts; the etp ranks),
+    the expert-data ranks replicated where they do not shard it (a plain tensor: (edp, ep)).
+    A strided etp shard (w1's gate and up rows) is moved to contiguous rows, which DCP's planner
+    can describe: those wrapped tensors are copies, the others share the local tensors' storage
+    (a load fills them); `unwrap` hands back this rank's tensors as they were held. Both methods
+    return new dicts (the inputs may share their inner dicts with the live optimizer state).
+    `mesh_of(*dims)`: the topology's meshes."""
 
-    def __init__(self, model: nn.Module, mesh):
-        experts = {name: p for name, p in model.named_parameters() if is_expert_parameter(p)}
-        self.names = set(experts)
-        # FSDP2's mesh and placements of the expert weights (unwrap hands their DTensors back
-        # on them), or None.
-        sharded = next((p for p in experts.values() if isinstance(p, DTensor)), None)
-        self.fsdp_mesh = None if sharded is None else sharded.device_mesh
-        if sharded is None:
-            expected, self.placements = ("edp", "ep"), [Replicate(), Shard(0)]
-        else:
-            self.fsdp_placements = list(sharded.placements)
-            expected = ("ep", *self.fsdp_mesh.mesh_dim_names)
-            self.placements = [Shard(0), *self.fsdp_placements]
-        if mesh.mesh_dim_names != expected:
-            raise ValueError(f"ExpertShardedState needs the {expected} mesh for these experts "
-                             f"(see the class docstring), got {mesh.mesh_dim_names}")
-        self.mesh = mesh
-        self.ep = mesh.size(mesh.mesh_dim_names.index("ep"))
+    def __init__(self, model: nn.Module, mesh_of: Callable[..., DeviceMesh], ep: int):
+        self.layouts = {name: _expert_layout(p, mesh_of) for name, p in model.named_parameters()
+                        if is_expert_parameter(p)}
+        self.ep = ep
 
     def _map(self, model_sd: dict, optim_sd: dict, fn) -> tuple[dict, dict]:
-        model_sd = {k: fn(v) if k in self.names else v for k, v in model_sd.items()}
+        model_sd = {k: fn(k, v) if k in self.layouts else v for k, v in model_sd.items()}
         if "state" not in optim_sd:  # flattened (one "state.<param>.<field>" key per tensor)
-            return model_sd, {k: fn(v) if self._flat_expert_state(k, v) else v
+            return model_sd, {k: fn(name, v) if (name := self._flat_expert_state(k, v)) else v
                               for k, v in optim_sd.items()}
-        state = {name: ({k: fn(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                         for k, v in entry.items()} if name in self.names else entry)
+        state = {name: ({k: fn(name, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                         for k, v in entry.items()} if name in self.layouts else entry)
                  for name, entry in optim_sd.get("state", {}).items()}
         return model_sd, {**optim_sd, "state": state}
 
-    def _flat_expert_state(self, key: str, value) -> bool:
+    def _flat_expert_state(self, key: str, value) -> str | None:
+        """The expert parameter a flattened optimizer-state key belongs to, or None."""
         if not (key.startswith("state.") and isinstance(value, torch.Tensor) and value.dim()):
-            return False
-        return key[len("state."):].rsplit(".", 1)[0] in self.names
+            return None
+        name = key[len("state."):].rsplit(".", 1)[0]
+        return name if name in self.layouts else None
 
     def wrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
-        def to_dtensor(t: torch.Tensor) -> DTensor:
-            home = t.shape  # this rank's home experts (FSDP2: all of them, as a DTensor)
+        def to_dtensor(name: str, t: torch.Tensor) -> DTensor:
+            lay = self.layouts[name]
+            home = t.shape  # this rank's home experts (a DTensor: all of them)
             logical = (home[0] * self.ep, *home[1:])
-            return DTensor.from_local(_local(t), self.mesh, self.placements, run_check=False,
-                                      shape=logical, stride=contiguous_strides(logical))
+            out = DTensor.from_local(_local(t), lay.mesh, lay.placements, run_check=False,
+                                     shape=logical, stride=contiguous_strides(logical))
+            return out if lay.saved == lay.placements else out.redistribute(lay.mesh, lay.saved)
 
         return self._map(model_sd, optim_sd, to_dtensor)
 
     def unwrap(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
-        if self.fsdp_mesh is not None:
-            def to_fsdp(t: DTensor) -> DTensor:
-                home = (t.shape[0] // self.ep, *t.shape[1:])
-                return DTensor.from_local(t.to_local(), self.fsdp_mesh, self.fsdp_placements,
-                                          run_check=False,
-                                          shape=home, stride=contiguous_strides(home))
+        def as_held(name: str, t: DTensor) -> torch.Tensor:
+            lay = self.layouts[name]
+            if lay.saved != lay.placements:
+                t = t.redistribute(lay.mesh, lay.placements)
+            if lay.held_mesh is None:
+                return t.to_local()
+            home = (t.shape[0] // self.ep, *t.shape[1:])
+            return DTensor.from_local(t.to_local(), lay.held_mesh, lay.held_placements,
+                                      run_check=False, shape=home,
+                                      stride=contiguous_strides(home))
 
-            return self._map(model_sd, optim_sd, to_fsdp)
-        return self._map(model_sd, optim_sd, lambda t: t.to_local())
+        return self._map(model_sd, optim_sd, as_held)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,10 @@ Per module kind:
   their norms replicated; the output projection row-parallel.
 - Dense MLP: the fused gate/up projection column-parallel with a strided shard (each rank holds
   its slice of the gate rows and of the up rows), the down projection row-parallel.
-- MoE: replicated on the tensor-parallel ranks, computed on the gathered tokens. Under expert
-  parallelism (Megatron's layout with expert_tensor=1) each tensor-parallel rank instead routes
-  its own 1/tp of the tokens and the expert-parallel dispatcher takes them to the experts
-  (`SplitTokens`).
+- MoE: each tensor-parallel rank routes its own 1/tp of the tokens (`SplitTokens`), and the
+  experts, split over expert-parallel or expert-tensor-parallel ranks (never whole on every
+  tensor-parallel rank: Topology refuses that), are reached through the MoE layer's dispatcher
+  (parallel/expert_parallel.py, parallel/expert_tensor_parallel.py).
 - Vision tower: replicated, its tokens merged into the gathered embedding.
 - Embedding: vocab-parallel; LM head: column-parallel over the vocab with `loss_parallel`, so the
   full fp32 logits of the whole vocab never exist on one rank.
@@ -110,29 +110,22 @@ class LocalCompute(ParallelStyle):
     """
 
     def __init__(self, shards: dict[str, Placement], *, param_grad: Placement,
-                 input_grad: Placement, output: Placement, activation: Placement,
-                 separately: tuple[str, ...] = ()):
-        """`separately`: submodules that take their parameters' local tensors when they run
-        (see _localise_when_run)."""
+                 input_grad: Placement, output: Placement, activation: Placement):
         super().__init__()
         self.shards = shards
         self.param_grad, self.input_grad = param_grad, input_grad
         self.output, self.activation = output, activation
-        self.separately = separately
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_parameters(module, device_mesh, self.shards)
         module.forward = functools.partial(self._forward, module, module.forward, device_mesh)
-        for name in self.separately:
-            _localise_when_run(module.get_submodule(name), self._grad_placement)
         return module
 
     def _grad_placement(self, p: DTensor) -> Placement:
         return self.param_grad if isinstance(p.placements[0], Replicate) else p.placements[0]
 
     def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x, *args, **kwargs):
-        local = _local_parameters(module, self._grad_placement,
-                                  skip=tuple(f"{name}." for name in self.separately))
+        local = _local_parameters(module, self._grad_placement)
         if isinstance(x, DTensor):
             x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[self.input_grad])
         with _reparametrize_module(module, local):
@@ -141,13 +134,13 @@ class LocalCompute(ParallelStyle):
 
 
 class SplitTokens(ParallelStyle):
-    """The MoE under expert x tensor parallelism (Megatron's layout with expert_tensor=1: the
-    expert-parallel group is made of tensor-, context- and data-parallel ranks, each with its
-    own tokens). Each tensor-parallel rank routes and computes its contiguous 1/tp of the
-    flattened [b * t] tokens (and their Quantile Balancing mask); the output is gathered back.
-    The router, latent projections, latent norm and shared experts are replicated DTensors whose
-    local gradients are partial sums over the tensor-parallel ranks; the experts stay plain
-    tensors, this rank's home experts, reduced by expert parallelism's own rules. Under sequence
+    """The MoE under tensor parallelism (Megatron's layouts: the expert-parallel and
+    expert-tensor-parallel groups are made of tensor-, context- and data-parallel ranks, each
+    with its own tokens). Each tensor-parallel rank routes and computes its contiguous 1/tp of
+    the flattened [b * t] tokens (and their Quantile Balancing mask); the output is gathered
+    back. The router, latent projections, latent norm and shared experts are replicated DTensors
+    whose local gradients are partial sums over the tensor-parallel ranks; the experts keep the
+    expert layout's own tensors, reduced by its own rules. Under sequence
     parallelism the flattening in the decoder layer gathers the sequence first (a [b, t/tp]
     shard is not a contiguous run of [b * t] unless b = 1)."""
 
@@ -267,12 +260,11 @@ def _embed_inputs(model: K3Model, mesh: DeviceMesh, act: Placement, batch):
     return DTensor.from_local(flat.view(b, t, d), mesh, [Replicate()]).redistribute(mesh, [act])
 
 
-def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: bool,
-                          expert_parallel: bool = False) -> None:
-    """Shards `model` in place over the 1-D tensor-parallel `mesh`; `expert_parallel`: the
-    experts are already sharded over expert-parallel ranks (parallel.apply.shard_experts). A
-    pipeline stage's model may lack the embedding or the LM head
-    (parallel.pipeline.prune_to_stages)."""
+def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh,
+                          sequence_parallel: bool) -> None:
+    """Shards `model` in place over the 1-D tensor-parallel `mesh`, its experts already split
+    over expert- or expert-tensor-parallel ranks (parallel/apply.py). A pipeline stage's model
+    may lack the embedding or the LM head (parallel.pipeline.prune_to_stages)."""
     act = Shard(1) if sequence_parallel else Replicate()
     head_parallel = dict(param_grad=Partial(), input_grad=Partial(), output=Partial(),
                          activation=act)
@@ -291,12 +283,8 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh, sequence_parallel: b
             plan[f"{prefix}.attn"] = LocalCompute(mla_shards(), **head_parallel)
         if isinstance(layer.mlp, SiTUGLUMLP):
             plan[f"{prefix}.mlp"] = LocalCompute(mlp_shards(), **head_parallel)
-        elif isinstance(layer.mlp, LatentMoE) and expert_parallel:
-            plan[f"{prefix}.mlp"] = SplitTokens()
         elif isinstance(layer.mlp, LatentMoE):
-            plan[f"{prefix}.mlp"] = LocalCompute({}, param_grad=Replicate(),
-                                                 input_grad=Replicate(), output=Replicate(),
-                                                 activation=act, separately=("router",))
+            plan[f"{prefix}.mlp"] = SplitTokens()
         for name in ("attn_norm", "mlp_norm", "attn_mix", "mlp_mix"):
             if getattr(layer, name) is not None:
                 plan[f"{prefix}.{name}"] = ReplicateParameters()

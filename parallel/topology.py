@@ -94,6 +94,15 @@ def check_model_fits(model: K3Config, tp: int, ep: int, etp: int, pp: int, virtu
               "(every stage holds at least one layer; the split may be uneven)")
 
 
+def expert_tensor_size(parallel: ParallelConfig) -> int:
+    """parallel.expert_tensor with -1 resolved: the tensor-parallel size without expert
+    parallelism (Megatron's default, the experts split like the dense MLP), 1 with it (each
+    tensor-parallel rank then routes its own tokens to whole experts)."""
+    if parallel.expert_tensor != -1:
+        return parallel.expert_tensor
+    return parallel.tensor if parallel.expert == 1 else 1
+
+
 @dataclass
 class Topology:
     """Sizes of every parallel dimension (all >= 1) and, after `initialize()`, their groups."""
@@ -141,10 +150,20 @@ class Topology:
         p = parallel
         if world_size < 1:
             _fail("world_size", world_size, "must be >= 1")
-        for name in ("tensor", "context", "pipeline", "expert", "expert_tensor",
-                     "data_replicate", "virtual_stages"):
+        for name in ("tensor", "context", "pipeline", "expert", "data_replicate",
+                     "virtual_stages"):
             if getattr(p, name) < 1:
                 _fail(f"parallel.{name}", getattr(p, name), "must be >= 1")
+        if p.expert_tensor != -1 and p.expert_tensor < 1:
+            _fail("parallel.expert_tensor", p.expert_tensor,
+                  "must be >= 1, or -1 for parallel.tensor without expert parallelism (1 with it)")
+        etp = expert_tensor_size(p)
+        if p.tensor > 1 and p.expert == 1 and etp == 1:
+            # Every tensor-parallel rank would hold every expert whole.
+            _fail("parallel.expert_tensor", p.expert_tensor,
+                  f"must be > 1 with parallel.tensor={p.tensor} and parallel.expert=1: split the "
+                  "experts over the tensor-parallel ranks (expert_tensor, -1 for tensor) or "
+                  "over expert-parallel ones (expert)")
         if p.data != -1 and p.data < 1:
             _fail("parallel.data", p.data, "must be >= 1, or -1 for what the world size leaves")
         if p.expert_dispatch not in EXPERT_DISPATCH:
@@ -177,7 +196,7 @@ class Topology:
             _fail("parallel.fsdp_param_dtype", p.fsdp_param_dtype,
                   f"must be one of {list(FSDP_PARAM_DTYPES)}")
         if model is not None:  # before the world size: a model that cannot split fails first
-            check_model_fits(model, tp=p.tensor, ep=p.expert, etp=p.expert_tensor,
+            check_model_fits(model, tp=p.tensor, ep=p.expert, etp=etp,
                              pp=p.pipeline, virtual_stages=vs)
         model_parallel = p.tensor * p.context * p.pipeline
         if p.data == -1:
@@ -200,7 +219,7 @@ class Topology:
                   "must be 1 with parallel.data_shard=none (replicas only mean something when "
                   "optimizer state or parameters are sharded: use optimizer or full)")
         stage_ranks = data * p.context * p.tensor
-        expert_span = p.expert * p.expert_tensor
+        expert_span = p.expert * etp
         if stage_ranks % expert_span:
             _fail("parallel.expert*expert_tensor", expert_span,
                   f"must divide the ranks of one pipeline stage, data*context*tensor = "
@@ -215,7 +234,7 @@ class Topology:
                   f"(every replica holds whole expert groups)")
         topo = cls(world_size=world_size, pp=p.pipeline, dp_replicate=p.data_replicate,
                    dp_shard=data // p.data_replicate, cp=p.context, tp=p.tensor, ep=p.expert,
-                   etp=p.expert_tensor, edp=edp, data_shard=p.data_shard,
+                   etp=etp, edp=edp, data_shard=p.data_shard,
                    # Sequence parallelism shards activations over the tensor-parallel ranks, so
                    # it is meaningless (and ignored) without them; the default stays "on".
                    sequence_parallel=bool(p.sequence_parallel) and p.tensor > 1,

@@ -149,11 +149,6 @@ class TrainConfig:
     deterministic: bool = True
 
 
-# Layouts the Topology validates but the training loop cannot run yet; each entry goes when its
-# parallelism lands (tensor: the loop's collectives are still data-parallel only).
-_NOT_IMPLEMENTED_YET = {"expert_tensor": "expert tensor parallelism"}
-
-
 def _fail(path: str, value, valid: str) -> None:
     raise ConfigError(f"{path}={value!r} is invalid: {valid}")
 
@@ -238,10 +233,6 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
         _fail("stage.seq_len", cfg.stage.seq_len,
               f"must be divisible by {shards}: context={topo.cp} x tensor={topo.tp} (sequence "
               f"parallel, or expert parallel) ranks each hold an equal part of the sequence")
-    for name, what in _NOT_IMPLEMENTED_YET.items():
-        if getattr(cfg.parallel, name) != 1:
-            _fail(f"parallel.{name}", getattr(cfg.parallel, name),
-                  f"must be 1: {what} is not implemented yet in k3-train (k3-plan accepts it)")
     # A dry run models the GPU job on the CPU (its exchange is a stand-in).
     if (topo.ep > 1 and cfg.parallel.moonep.transport == "symm_mem"
             and not cfg.dry_run.world_size):

@@ -35,7 +35,7 @@ from model.params import count_parameters
 from parallel.apply import qb_count_dtype
 from parallel.moonep.traffic import moe_layer_traffic, symm_mem_rows
 from parallel.pipeline import crossing_blocks
-from parallel.topology import Topology
+from parallel.topology import Topology, expert_tensor_size
 
 from .cli import CONFIG_DIR, hydra_exit_codes, prepare_tool_argv, register_configs, to_train_config
 from .flops import forward_flops_per_token, training_flops_per_token
@@ -54,7 +54,7 @@ def plan_topology(cfg, world_size: int | None = None) -> Topology:
         return Topology.from_config(p, world_size, cfg.model)
     data = p.data
     if data == -1:
-        span = max(p.expert * p.expert_tensor, 1)
+        span = max(p.expert * expert_tensor_size(p), 1)
         data = span // math.gcd(span, max(p.tensor * p.context, 1))
     world = max(data, 1) * p.tensor * p.context * p.pipeline
     return Topology.from_config(p, world, cfg.model)

@@ -32,6 +32,9 @@ from tests.helpers.parallel_harness import parallel_config
                                    "parallel.expert=3"),
     (dict(expert_tensor=3), 3, k3_tiny(), "model.moe.expert_intermediate=64 is invalid: must be "
                                           "divisible by parallel.expert_tensor=3"),
+    (dict(tensor=2, expert_tensor=1), 2, None, "parallel.expert_tensor=1 is invalid: must be > 1 "
+                                               "with parallel.tensor=2 and parallel.expert=1"),
+    (dict(expert_tensor=0), 2, None, "parallel.expert_tensor=0 is invalid: must be >= 1, or -1"),
     (dict(expert=8), 4, None, "parallel.expert*expert_tensor=8 is invalid: must divide the "
                               "ranks of one pipeline stage"),
     (dict(expert=2, expert_tensor=2, pipeline=2), 4, None, "parallel.expert*expert_tensor=4"),
@@ -71,8 +74,10 @@ def test_sizes_resolve_from_the_world():
     t = Topology.from_config(parallel_config(tensor=2, data_replicate=2, data_shard="full"), 16,
                              k3_tiny())
     assert (t.pp, t.dp, t.dp_replicate, t.dp_shard, t.cp, t.tp, t.ep, t.etp, t.edp) == \
-        (1, 8, 2, 4, 1, 2, 1, 1, 16)
+        (1, 8, 2, 4, 1, 2, 1, 2, 8)  # without expert parallelism the experts split like the MLP
     assert t.sequence_parallel
+    t = Topology.from_config(parallel_config(tensor=2, expert=2), 4, k3_tiny())
+    assert (t.ep, t.etp, t.edp) == (2, 1, 2)  # with it each tensor-parallel rank has its own
     # Sequence parallelism only exists over tensor-parallel ranks: ignored (off) without them.
     assert not Topology.from_config(parallel_config(), 4).sequence_parallel
     t = Topology.from_config(parallel_config(tensor=8, context=2, pipeline=8, expert=32,
@@ -201,8 +206,6 @@ def test_a_1024_rank_layout_initialises_on_the_fake_process_group(name):
 @pytest.mark.parametrize("overrides, world, message", [
     (dict(data_shard="zero3"), 2, "parallel.data_shard='zero3'"),
     (dict(data=3), 2, "parallel.data=3"),
-    (dict(expert_tensor=2), 2, "parallel.expert_tensor=2 is invalid: must be 1: expert tensor "
-                               "parallelism"),
     (dict(expert=2, moonep_transport="symm_mem"), 2,
      "parallel.moonep.transport='symm_mem' is invalid: needs CUDA (torch symmetric memory)"),
     # global batch 8 in micro-batches of 4 rows
@@ -212,8 +215,7 @@ def test_a_1024_rank_layout_initialises_on_the_fake_process_group(name):
      "must give at least 4 micro-batches"),
 ])
 def test_train_config_validation_uses_the_topology(overrides, world, message):
-    """What k3-train still refuses (expert tensor parallelism) and what no layout can do, each
-    with the field named."""
+    """What no layout can do, each with the field named."""
     from train.config import TrainConfig, validate_train_config
 
     cfg = TrainConfig(parallel=parallel_config(**overrides))
@@ -225,12 +227,14 @@ def test_train_config_validation_uses_the_topology(overrides, world, message):
 
 @pytest.mark.parametrize("overrides, world", [
     (dict(pipeline=16, expert=64, tensor=8, data_shard="full"), 2048),
+    (dict(pipeline=8, expert=32, expert_tensor=2, tensor=8, context=2, data_replicate=2,
+          data_shard="full"), 1024),
     (dict(pipeline=8, expert=32, tensor=8, context=2, data_shard="optimizer"), 1024),
     (dict(pipeline=4, context=64, tensor=8, data_shard="full"), 2048),
 ])
 def test_full_size_combined_layouts_pass_start_up_validation(overrides, world):
-    """Pipeline with expert, context and sharded data parallelism together (k3_full at 1024
-    and 2048 ranks) pass k3-train's start-up checks."""
+    """Pipeline with expert (and expert tensor), context and sharded data parallelism together
+    (k3_full at 1024 and 2048 ranks) pass k3-train's start-up checks."""
     from model.config import k3_full
     from train.config import TrainConfig, validate_train_config
 
