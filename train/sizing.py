@@ -184,15 +184,21 @@ def moe_dispatch_bytes(cfg: K3Config, layout: Topology, seq_len: int, micro_batc
     expert rows before the combine (S*K x L, fp32), the combine's send and receive buffers
     (fp32, S*min(K, R-1) rows each on symm_mem, R*S on collective), the tokens received
     (bf16, as many rows) and the home experts' weights with this micro-batch's copies (2 E/R
-    experts, bf16). S: a rank's tokens (split by context and tensor parallelism)."""
-    if layout.ep == 1:
+    experts, bf16). S: a rank's tokens (split by context and tensor parallelism), times the
+    expert-tensor-parallel ranks (each dispatches its peers' tokens too, gathered in bf16, and
+    reduce-scatters their bf16 outputs)."""
+    if layout.ep == 1 and layout.etp == 1:
         return 0.0
     moe, ranks = cfg.moe, layout.ep
-    tokens = micro_batch * seq_len / layout.cp / layout.tp
+    tokens = micro_batch * seq_len / layout.cp / layout.tp * layout.etp
+    weighted = tokens * moe.top_k * moe.latent_dim * 4
+    gathered = 2 * tokens * moe.latent_dim * 2 if layout.etp > 1 else 0
+    if ranks == 1:  # the local dispatch: no transport buffers, no copies
+        return weighted + gathered
     rows = (symm_mem_rows(tokens, moe.top_k, ranks) if transport == "symm_mem"
             else ranks * tokens)
     expert = 3 * moe.latent_dim * moe.expert_intermediate / layout.etp
-    return (tokens * moe.top_k * moe.latent_dim * 4 + rows * moe.latent_dim * (2 * 4 + 2)
+    return (weighted + gathered + rows * moe.latent_dim * (2 * 4 + 2)
             + 2 * moe.num_experts / ranks * expert * 2)
 
 
@@ -362,7 +368,7 @@ def expert_traffic(cfg: K3Config, layout: Topology, tokens_per_micro_batch: int)
                                       ("dynamic", "dynamic", "collective")):
         out[name] = moe_layer_traffic(tokens, moe.top_k, moe.num_experts, layout.ep,
                                       moe.latent_dim, moe.expert_intermediate, dispatch,
-                                      transport=transport)
+                                      transport=transport, expert_tensor=layout.etp)
     return out
 
 

@@ -2,8 +2,10 @@
 dispatch and transport: the formulas `k3-plan` prints and the benchmark reports.
 
 S tokens per rank, K experts per token, E experts on R ranks, latent width L, expert width I,
-a = bytes per activation element (2 for bf16; copied expert weights travel in it too, their
-gradients in fp32), one expert's weights P = 3 * L * I elements.
+N expert-tensor-parallel ranks (each dispatches its N peers' S tokens, N*S, with I/N of every
+expert's intermediate rows), a = bytes per activation element (2 for bf16; copied expert
+weights travel in it too, their gradients in fp32), one expert's weights P = 3 * L * I
+elements.
 Collectives are counted as ring collectives (an all-gather or reduce-scatter of R blocks of n
 bytes receives (R - 1) * n per rank). The symm_mem transport moves what the routing needs, so
 its token terms are the most any routing makes one rank receive ("_max").
@@ -22,10 +24,30 @@ def symm_mem_rows(tokens: int, top_k: int, ranks: int) -> int:
     return tokens * min(top_k, ranks - 1)
 
 
+def _expert_tensor_terms(s: int, k: int, lat: int, a: int, n: int) -> tuple[dict, dict, dict]:
+    """The etp peers' exchange around the dispatch (parallel/expert_tensor_parallel.py): their
+    tokens, expert ids (int32) and routing weights all-gathered before it, the partial outputs
+    reduce-scattered after the combine; backward the transposes."""
+    if n == 1:
+        return {}, {}, {}
+    forward = {"etp_token_all_gather": (n - 1) * s * lat * a,
+               "etp_routing_all_gather": (n - 1) * s * k * (INT32 + FP32),
+               "etp_output_reduce_scatter": (n - 1) * s * lat * a}
+    backward = {"etp_token_grad_reduce_scatter": (n - 1) * s * lat * a,
+                "etp_routing_weight_grad_reduce_scatter": (n - 1) * s * k * FP32,
+                "etp_output_grad_all_gather": (n - 1) * s * lat * a}
+    formula = {"etp": "(N-1)*S*(L*a + K*(4 + 4) + L*a), backward (N-1)*S*(2*L*a + K*4)"}
+    return forward, backward, formula
+
+
 def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent: int,
                       intermediate: int, dispatch: str = "moonep",
-                      activation_bytes: int = 2, transport: str = "collective") -> dict[str, dict]:
-    """{"forward": {term: bytes}, "backward": {term: bytes}, "formula": {term: text}}."""
+                      activation_bytes: int = 2, transport: str = "collective",
+                      expert_tensor: int = 1) -> dict[str, dict]:
+    """{"forward": {term: bytes}, "backward": {term: bytes}, "formula": {term: text}}; the
+    dispatch's terms (below) with S = N*S tokens and I = I/N (module docstring)."""
+    etp = _expert_tensor_terms(tokens, top_k, latent, activation_bytes, expert_tensor)
+    tokens, intermediate = tokens * expert_tensor, intermediate // expert_tensor
     s, k, e, r, lat, a = tokens, top_k, experts, ranks, latent, activation_bytes
     others = r - 1
     counts = others * e * INT32  # every rank's tokens per expert, for the plan
@@ -97,5 +119,7 @@ def moe_layer_traffic(tokens: int, top_k: int, experts: int, ranks: int, latent:
         raise ValueError(f"transport={transport!r} is invalid: 'collective' or 'symm_mem'")
     else:
         raise ValueError(f"dispatch={dispatch!r} is invalid: 'moonep' or 'dynamic'")
+    forward, backward, formula = ({**forward, **etp[0]}, {**backward, **etp[1]},
+                                  {**formula, **etp[2]})
     return {"forward": forward, "backward": backward, "formula": formula,
             "total": sum(forward.values()) + sum(backward.values())}

@@ -1,7 +1,8 @@
 """MoonEP dispatch/combine on gloo ranks against the single-rank LocalDispatcher (SPEC 10), the
 experts' GEMMs through F.grouped_mm (counted): forced routings, exact slot counts, static
 shapes, no host sync and the same peak memory whatever the routing (and the dynamic baseline
-failing those checks)."""
+failing those checks); on 4 ranks also under expert tensor parallelism (EP2 x ETP2), with the
+bytes k3-plan prints for it."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.moe import GroupedExperts, LocalDispatcher
+from parallel.expert_tensor_parallel import ExpertTensorParallelDispatcher
 from parallel.moonep.dispatcher import MoonEPDispatcher
 from parallel.moonep.dynamic import DynamicDispatcher
 from parallel.moonep.traffic import moe_layer_traffic
@@ -204,6 +206,52 @@ def peaks_on_every_rank(recs) -> torch.Tensor:
     return torch.stack(every)
 
 
+def _expert_tensor_parallel(rank: int, world: int) -> None:
+    """EP2 x ETP2 on 4 ranks (etp innermost, as Megatron orders them: etp pairs {0, 1} and
+    {2, 3}, EP pairs {0, 2} and {1, 3}): each rank routes its own tokens and holds its EP rank's
+    home experts' gate/up rows and down columns of its etp slice; against every token through
+    the LocalDispatcher on one rank (output, token and routing-weight gradients, the slices'
+    weight gradients), with static shapes, and receiving the bytes of moe_layer_traffic's
+    formula with N = 2."""
+    etp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    etp_rank, ep_rank = rank % 2, rank // 2
+    x, w = inputs(world)
+    topk = routings(world)
+    half, per_rank = INTER // 2, EXPERTS // 2
+    home = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+    gate = slice(etp_rank * half, (etp_rank + 1) * half)
+    up = slice(INTER + etp_rank * half, INTER + (etp_rank + 1) * half)
+    for name in ("uniform", "random"):
+        ref_experts = full_experts()
+        ref = run_moe(LocalDispatcher(EXPERTS), ref_experts, x.view(-1, LATENT),
+                      topk[name].reshape(-1, TOP_K), w.view(-1, TOP_K))
+        moonep = MoonEPDispatcher(EXPERTS, CollectiveTransport(ep_groups[etp_rank]))
+        dispatcher = ExpertTensorParallelDispatcher(moonep, etp_groups[ep_rank])
+        experts = GroupedExperts(per_rank, LATENT, half)
+        with torch.no_grad():
+            experts.w1.copy_(torch.cat([ref_experts.w1[home, gate], ref_experts.w1[home, up]], 1))
+            experts.w2.copy_(ref_experts.w2[home, :, gate])
+        experts.group_weights = moonep.group_weights
+        out, x_grad, w_grad, _ = run_moe(dispatcher, experts, x[rank], topk[name][rank], w[rank],
+                                         rank * TOKENS)
+        rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        w1_grad = torch.cat([ref_experts.w1.grad[home, gate], ref_experts.w1.grad[home, up]], 1)
+        for expected, value, label in ((ref[0][rows], out, "output"),
+                                       (ref[1][rows], x_grad, "x grad"),
+                                       (ref[2][rows], w_grad, "routing weight grad"),
+                                       (w1_grad, experts.w1.grad, "w1 slice grad"),
+                                       (ref_experts.w2.grad[home, :, gate], experts.w2.grad,
+                                        "w2 slice grad")):
+            assert_close_rms(expected, value, TOL, f"EP2 x ETP2 {label} ({name})")
+    recs = [record(run_moe, dispatcher, experts, x[rank], topk[name][rank], w[rank])
+            for name in ("uniform", "one_expert")]
+    assert_static(*recs)
+    traffic = moe_layer_traffic(TOKENS, TOP_K, EXPERTS, 2, LATENT, INTER, activation_bytes=4,
+                                expert_tensor=2)
+    assert received_bytes(recs[0], 2) == traffic["total"], recs[0].collectives
+
+
 def _all_layer_cases(rank: int, world: int) -> None:
     grouped_mm = F.grouped_mm
     F.grouped_mm = _counting_grouped_mm(grouped_mm)  # experts.py looks it up at every call
@@ -212,6 +260,8 @@ def _all_layer_cases(rank: int, world: int) -> None:
     finally:
         F.grouped_mm = grouped_mm
     _static_shapes(rank, world)
+    if world == 4:
+        _expert_tensor_parallel(rank, world)
 
 
 @pytest.mark.timeout(300)

@@ -223,6 +223,11 @@ def logical(t: torch.Tensor, sharded: bool, ep_group) -> torch.Tensor:
     return out
 
 
+def _only(mesh):
+    """ExpertShardedState's `mesh_of` that has this one mesh (by its dimension names)."""
+    return lambda *dims: {mesh.mesh_dim_names: mesh}[dims]
+
+
 def check_checkpoint_reshards(root: str, pair, stride, everyone) -> None:
     """Saved under EP2 x DP2 after one step; loaded into EP4 and into whole (unsharded) models:
     every parameter and AdamW moment bit-equal to the saved logical tensors."""
@@ -235,7 +240,8 @@ def check_checkpoint_reshards(root: str, pair, stride, everyone) -> None:
           lambda m: allreduce_expert_parallel_gradients(m, everyone, stride),
           _sum_over(everyone), opt)
     mesh_2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
-    saver = Checkpointer(root, 1, rank, 4, sharded=ExpertShardedState(model, mesh_2x2))
+    saver = Checkpointer(root, 1, rank, 4,
+                         sharded=ExpertShardedState(model, _only(mesh_2x2), ep=2))
     path = saver.save(1, model, [opt], {})
     saved = {}
     for name, p in model.named_parameters():
@@ -248,7 +254,7 @@ def check_checkpoint_reshards(root: str, pair, stride, everyone) -> None:
         if mesh is not None:
             apply_expert_parallel(loaded, everyone)
         loaded_opt = adamw(loaded)
-        sharded = None if mesh is None else ExpertShardedState(loaded, mesh)
+        sharded = None if mesh is None else ExpertShardedState(loaded, _only(mesh), ep=4)
         assert Checkpointer(root, 1, rank, 4, sharded).load(path, loaded, [loaded_opt],
                                                             lambda s: None) == 1
         for name, p in loaded.named_parameters():
