@@ -155,8 +155,12 @@ class SplitTokens(ParallelStyle):
         x = x.redistribute(mesh, [Shard(0)]).to_local(grad_placements=[Shard(0)])
         if token_mask is not None:  # the same rows as DTensor's Shard(0) (torch.chunk)
             token_mask = token_mask.chunk(mesh.size())[mesh.get_local_rank()]
+        # The experts are not the tensor-parallel layout's: they take their own weights when
+        # they run (plain home experts, or etp DTensors whose local slices the expert-tensor-
+        # parallel plan hands their GEMMs), which FSDP2, where it shards them, gathers first,
+        # also when activation checkpointing recomputes the layer.
         with _reparametrize_module(module, _local_parameters(module, _partial_sum,
-                                                             skip=("router.",))):
+                                                             skip=("router.", "experts."))):
             out = forward(x, token_mask)
         return DTensor.from_local(out, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
 
@@ -168,13 +172,10 @@ def _partial_sum(p: DTensor) -> Placement:
 def _local_parameters(module: nn.Module, grad_placement: Callable[[DTensor], Placement],
                       skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The DTensor parameters of `module` (not those under `skip`) as local tensors whose
-    gradients take `grad_placement(parameter)`. The experts under expert parallelism are not the
-    tensor-parallel layout's (FSDP2 may have made them DTensors over the expert-data ranks: its
-    own hooks hand their forward the gathered weights, also when activation checkpointing
-    recomputes the layer)."""
+    gradients take `grad_placement(parameter)`."""
     return {name: p.to_local(grad_placements=[grad_placement(p)])
             for name, p in module.named_parameters()
-            if isinstance(p, DTensor) and not is_expert_parameter(p) and not name.startswith(skip)}
+            if isinstance(p, DTensor) and not name.startswith(skip)}
 
 
 def _localise_when_run(module: nn.Module,

@@ -49,14 +49,16 @@ def test_k3_small_dry_run_of_one_rank_of_256(tmp_path):
 
 
 def test_a_checkpointed_pipeline_rank_with_experts_tensor_and_fsdp2(tmp_path):
-    """PP2 x TP2 x DP4 with EP2 and FSDP2 (k3_tiny, world 16), layers recomputed in backward:
-    FSDP2 hands the experts their gathered weights in the recompute too (the tensor-parallel
-    MoE once swapped in their shards, whose shapes broke MoonEP's copy exchange). MoonEP on the
+    """PP2 x TP2 x DP4 with EP2 x ETP2 and FSDP2 (k3_tiny, world 16), layers recomputed in
+    backward: FSDP2 hands the experts their gathered weights in the recompute too (the
+    tensor-parallel MoE once swapped in their shards, whose shapes broke MoonEP's copy exchange,
+    and once their gathered etp DTensors, which FSDP2 had prefetched). MoonEP on the
     symm_mem transport, which a dry run accepts without CUDA: its exchanges become all-to-alls of
     the static buffers on the fake process group."""
     result = _dry_run(tmp_path, "dry_run.world_size=16", "dry_run.rank=0",
                       "parallel.data_shard=full", "parallel.expert=2", "parallel.tensor=2",
-                      "parallel.pipeline=2", "stage.micro_batch_size=1",
+                      "parallel.expert_tensor=2", "parallel.pipeline=2",
+                      "stage.micro_batch_size=1",
                       "stage.global_batch_size=8", "optim.name=muon",
                       "activation_checkpointing=true", "parallel.moonep.transport=symm_mem")
     assert "rank 0: pp0 dp0 cp0 tp0 ep0" in result["layout"]
