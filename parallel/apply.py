@@ -181,10 +181,10 @@ class ParallelPlan:
     def finish_gradients(self) -> None:
         """After backward: gradients for unreached parameters and, without data parallelism's
         reduction, the tensor-parallel partial sums completed. With plain data parallelism
-        (offload) every gradient is summed over dp x cp here; under expert parallelism without
-        FSDP2 dense gradients over dp x cp and expert gradients over the expert-data ranks
-        (FSDP2 reduces each over its own mesh); under the pipeline each stage's over its dp x cp
-        ranks."""
+        (offload) every gradient is summed over dp x cp here; under the pipeline each stage's
+        over its dp x cp ranks; under expert parallelism in either case dense gradients over
+        dp x cp and expert gradients over the expert-data ranks (FSDP2's fully_shard and
+        replicate reduce each over its own mesh during backward)."""
         if self.data_parallel:  # FSDP2 / replicate reduced them during backward
             fill_missing_gradients(self.model)
             return
@@ -318,10 +318,11 @@ def _expert_data_dims(topology) -> tuple[str, ...]:
 
 
 def _expert_mesh(topology, etp: bool):
-    """The expert-data ranks' mesh (`etp`: their dimensions of the mesh they form with the etp
-    ranks, which FSDP2 needs to shard the etp DTensors over them; else the etp dimension of
-    that mesh)."""
-    dims = _expert_data_dims(topology)
+    """The expert-data ranks' mesh, which data parallelism reduces the experts' gradients over
+    (FSDP2's, 2-D under HSDP; `replicate`'s, 1-D), or with `etp` the etp dimension of the mesh
+    they form with the etp ranks (FSDP2 and `replicate` take the etp DTensors only from a mesh
+    of the same root)."""
+    dims = _expert_data_dims(topology) if topology.data_shard == "full" else ("edp",)
     if topology.etp == 1:
         return topology.mesh(*dims)
     mesh = topology.mesh(*dims, "etp")
@@ -381,12 +382,18 @@ def parallelize(model: K3Model, topology, cfg, autocast=contextlib.nullcontext,
             if plan.expert_parallel:
                 mark_expert_parameters(model)  # FSDP2 replaced them by DTensor parameters
             plan.data_parallel = True
-        elif plan.pipeline is not None or plan.expert_parallel:
-            pass  # summed after the backward (finish_gradients): stages, experts' own groups
+        elif plan.pipeline is not None:
+            pass  # each stage's summed after the schedule (finish_gradients)
         elif cfg.optim.offload == "cpu":  # validated: mode none or optimizer, tensor 1
             plan.plain_data_parallel = True
         else:
-            apply_data_parallel(model, mesh[_data_parallel_dims(topology)[-1]], mode)
+            # Per decoder layer while backward runs on; the experts over their expert-data ranks
+            # as units of their own.
+            apply_data_parallel(model, mesh[_data_parallel_dims(topology)[-1]], mode,
+                                (_expert_mesh(topology, etp=False)
+                                 if plan.expert_parallel else None))
+            if plan.expert_parallel:
+                mark_expert_parameters(model)  # replicate made them DTensor parameters
             plan.data_parallel = True
         if mode == "optimizer":
             # Owners within one replica (the shard dim x cp; the expert-data ranks for the

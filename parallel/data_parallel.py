@@ -69,17 +69,16 @@ def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
                         expert_mesh: DeviceMesh | None = None,
                         roots: list[nn.Module] | None = None,
                         param_dtype: torch.dtype | None = None) -> None:
-    """Wraps `model` in place for data parallelism over `mesh` (1-D: every data-parallel rank
-    for modes none and optimizer, the shard ranks for full; 2-D dp_replicate x dp_shard for
-    HSDP with mode full). `expert_mesh` (mode full under expert parallelism): the
-    expert-data-parallel ranks, which hold the same experts; each MoE layer's experts become
-    their own unit sharded over it first, so the enclosing layer leaves them out (torchtitan's
-    dp_shard_mod_ep). `roots`: see `_units` (pipeline stages; torch's schedules then hold
-    back the reduce-scatters until a step's last micro-batch). `param_dtype` (mode full): the
-    dtype FSDP2 gathers the decoder layers' parameters in (None: as they are, the fp32
-    master); the routers then become units of their own gathered as they are, since their
-    scores are computed in fp32 (a near-tie decided on bf16-rounded weights routes a token
-    elsewhere)."""
+    """Wraps `model` in place for data parallelism over `mesh` (1-D: every data-parallel rank for
+    modes none and optimizer, the shard ranks for full; 2-D dp_replicate x dp_shard for HSDP
+    with mode full). `expert_mesh` (under expert or expert tensor parallelism): the expert-data-
+    parallel ranks, which hold the same experts; each MoE layer's experts become their own unit
+    sharded (replicated) over it first, so the enclosing layer leaves them out (torchtitan's
+    dp_shard_mod_ep). `roots`: see `_units` (pipeline stages; torch's schedules then hold back
+    the reduce-scatters until a step's last micro-batch). `param_dtype` (mode full): the dtype
+    FSDP2 gathers the decoder layers' parameters in (None: as they are, the fp32 master); the
+    routers then become units of their own gathered as they are, since their scores are computed
+    in fp32 (a near-tie decided on bf16-rounded weights routes a token elsewhere)."""
     if mode not in MODES:
         raise ValueError(f"parallel.data_shard={mode!r}: must be one of {list(MODES)}")
     reduce_dtype = compute_dtype(*{p.dtype for p in model.parameters()})

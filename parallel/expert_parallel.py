@@ -5,9 +5,11 @@ e // (E / R) == its EP rank), so their optimizer state and updates stay home, an
 layer gets an expert-parallel dispatcher: MoonEP (static shapes, no host sync) or the dynamic
 all-to-all baseline. Gradients: dense parameters are summed over the data-parallel ranks (every
 rank when EP is carved out of DP, as in Megatron), expert weights over the expert-data-parallel
-ranks (the ranks holding the same experts), after backward has already returned the copies'
-gradients to their owners: by hand with data_shard=none, by FSDP2 with data_shard=full (the
-experts then are their own FSDP unit over the expert-data-parallel mesh).
+ranks (the ranks holding the same experts), once backward has returned the copies' gradients
+to their owners: by FSDP2 (`fully_shard` with data_shard=full, `replicate` with none and
+optimizer), layer by layer while backward runs on, the experts their own unit over the
+expert-data-parallel mesh; by hand after the backward under the pipeline and with the host
+optimizer (`allreduce_expert_parallel_gradients`).
 """
 
 from __future__ import annotations
