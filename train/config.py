@@ -34,6 +34,9 @@ class OptimConfig:
     momentum: float = 0.95  # Muon
     nesterov: bool = True  # Muon
     ns_steps: int = 5  # Muon Newton-Schulz iterations
+    # Muon steps its matrices in buckets of this many MiB of parameters (each bucket's updates
+    # and exchange buffers exist only while it is stepped): the step's memory beyond the state
+    muon_bucket_mb: int = 1024
     per_head: bool = True  # Muon: orthogonalise Q/K/V per head block
     qk_clip_tau: float = 100.0  # MuonClip threshold on MLA max logits (<= 0 disables)
     schedule: str = "cosine"  # cosine | wsd | constant
@@ -212,6 +215,8 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
         _fail("optim.schedule", o.schedule, "must be one of ['constant', 'cosine', 'wsd']")
     if o.warmup_steps < 0:
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    if o.muon_bucket_mb < 1:
+        _fail("optim.muon_bucket_mb", o.muon_bucket_mb, "must be >= 1 (MiB)")
     if not 0 <= o.min_lr_ratio <= 1:
         _fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     check_betas(o.betas)

@@ -34,6 +34,9 @@ def tiny_config(optim: str, precision: str = "fp32") -> TrainConfig:
     cfg.optim.lr = 3e-3
     if optim == "muon":
         cfg.optim.qk_clip_tau = 1e-3  # every head clips: QK-Clip runs on every MLA layer
+        # Several buckets a step (k3_tiny's matrices are a few MiB): a layout's exchanges pair
+        # up bucket by bucket.
+        cfg.optim.muon_bucket_mb = 1
     cfg.precision.name = precision
     cfg.device = "cpu"
     return cfg

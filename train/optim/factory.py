@@ -124,7 +124,8 @@ def build_optimizer(model: nn.Module, cfg, owns=None, exchange=None
         if muon_groups:
             optimizers.append(Muon(muon_groups, lr=cfg.lr, momentum=cfg.momentum,
                                    nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-                                   ns_steps=cfg.ns_steps, exchange=exchange))
+                                   ns_steps=cfg.ns_steps, exchange=exchange,
+                                   bucket_bytes=cfg.muon_bucket_mb << 20))
         if adamw_groups:
             optimizers.append(adamw(adamw_groups, lr=adamw_lr, **adamw_kwargs))
         return optimizers

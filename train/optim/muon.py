@@ -21,6 +21,14 @@ part; the default is local (every parameter is whole). A parallel plan passes it
 to the constructor; it lives outside the param groups so that checkpoints (which save the
 groups) hold no process groups. Groups keep the logical head count (`num_heads` of the full
 parameter), so they mean the same in every layout.
+
+A step goes through the parameters in buckets of about `bucket_bytes` of (logical) parameter
+bytes: each bucket's updates are made, orthogonalised and applied before the next bucket's
+exist, so the step holds one bucket's updates and exchange buffers beside the parameters,
+gradients and state, not the whole model's (three times a rank's share of the matrices, all at
+once, before). Every rank of a stage forms the same buckets (logical sizes, parameter order),
+so the exchanges pair up; each matrix still goes through Newton-Schulz whole, so the result does
+not depend on the bucket size, bit for bit.
 """
 
 from __future__ import annotations
@@ -150,8 +158,12 @@ class Muon(torch.optim.Optimizer):
         *,
         ns_dtype: torch.dtype | None = None,
         exchange: MatrixExchange | None = None,
+        bucket_bytes: int = 1 << 30,
     ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"Muon: bucket_bytes={bucket_bytes} is invalid: must be >= 1")
         self.exchange: MatrixExchange = LocalExchange() if exchange is None else exchange
+        self.bucket_bytes = bucket_bytes
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, adjust_lr=adjust_lr, ns_dtype=ns_dtype,
                         num_heads=1, head_axis=0)
@@ -167,16 +179,33 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        jobs, groups = [], []
+        for bucket in self._buckets():
+            self._step_bucket(bucket)
+        return loss
+
+    def _buckets(self) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
+        """(parameter, group) pairs with a gradient, in order, cut where a bucket's logical bytes
+        would pass `bucket_bytes` (a larger parameter is a bucket of its own)."""
+        buckets: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[]]
+        size = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    update = self._momentum_update(p, group)
-                    jobs.append(MatrixJob(update, p, group["num_heads"], group["head_axis"],
-                                          group["ns_steps"], group["ns_dtype"]))
-                    groups.append(group)
+                if p.grad is None:
+                    continue
+                nbytes = p.numel() * p.element_size()  # a DTensor's: the logical tensor's
+                if buckets[-1] and size + nbytes > self.bucket_bytes:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append((p, group))
+                size += nbytes
+        return buckets if buckets[-1] else []
+
+    def _step_bucket(self, bucket: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        jobs = [MatrixJob(self._momentum_update(p, group), p, group["num_heads"],
+                          group["head_axis"], group["ns_steps"], group["ns_dtype"])
+                for p, group in bucket]
         orthos = self.exchange.orthogonalize(jobs, orthogonalize)
-        for job, group, ortho in zip(jobs, groups, orthos):
+        for job, (_, group), ortho in zip(jobs, bucket, orthos, strict=True):
             p, lr = job.param, group["lr"]
             rows, cols = job.param.shape[-2:]
             matrix = (rows // job.num_heads, cols) if job.head_axis == 0 else (
@@ -184,7 +213,6 @@ class Muon(torch.optim.Optimizer):
             scale = UPDATE_SCALES[group["adjust_lr"]](*matrix)
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(ortho, alpha=-(lr * scale))
-        return loss
 
     def _momentum_update(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         grad, momentum = p.grad, group["momentum"]

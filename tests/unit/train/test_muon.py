@@ -235,3 +235,56 @@ def test_invalid_groups_fail_clearly(shape, group, message):
     assert "Muon param group 0" in str(err.value)
     if "name" in group:
         assert group["name"] in str(err.value)
+
+
+class _CountingExchange:
+    """The local exchange, counting its calls (one per bucket)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def orthogonalize(self, jobs, ortho):
+        self.calls += 1
+        return [ortho(job.update, job) for job in jobs]
+
+
+def test_buckets_step_the_same_bits_as_one_bucket():
+    """A step in buckets (here one parameter each: 1 byte) makes, orthogonalises and applies each
+    bucket's updates before the next one's exist; every parameter and momentum buffer ends the
+    same, bit for bit, as with the whole step in one bucket, and the exchange is called once per
+    bucket."""
+    torch.manual_seed(0)
+    shapes = [((48, 32), dict(num_heads=4, head_axis=0)), ((3, 16, 24), {}), ((24, 40), {})]
+    w0 = [torch.randn(shape) for shape, _ in shapes]
+    grads = [[torch.randn(shape) for shape, _ in shapes] for _ in range(STEPS)]
+    runs = []
+    for bucket_bytes in (1 << 30, 1, (48 * 32 + 3 * 16 * 24) * 4):  # one, three, two buckets
+        params = [torch.nn.Parameter(w.clone()) for w in w0]
+        exchange = _CountingExchange()
+        opt = Muon([dict(params=[p], **extra) for p, (_, extra) in zip(params, shapes)], **HYPER,
+                   exchange=exchange, bucket_bytes=bucket_bytes)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        runs.append((params, opt, exchange.calls))
+    (ref, ref_opt, calls), *others = runs
+    assert calls == STEPS
+    for (params, opt, calls), buckets in zip(others, (3, 2)):
+        assert calls == STEPS * buckets
+        for p, p_ref in zip(params, ref):
+            assert torch.equal(p, p_ref)
+            assert torch.equal(opt.state[p]["momentum_buffer"],
+                               ref_opt.state[p_ref]["momentum_buffer"])
+    with pytest.raises(ValueError, match="bucket_bytes=0 is invalid"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], **HYPER, bucket_bytes=0)
+
+
+def test_the_bucket_size_is_checked_at_start_up():
+    from model.errors import ConfigError
+    from train.config import TrainConfig, validate_train_config
+
+    cfg = TrainConfig()
+    cfg.optim.muon_bucket_mb = 0
+    with pytest.raises(ConfigError, match=r"optim.muon_bucket_mb=0 is invalid: must be >= 1"):
+        validate_train_config(cfg, 1, data=False)
