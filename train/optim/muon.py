@@ -25,10 +25,10 @@ parameter), so they mean the same in every layout.
 A step goes through the parameters in buckets of about `bucket_bytes` of (logical) parameter
 bytes: each bucket's updates are made, orthogonalised and applied before the next bucket's
 exist, so the step holds one bucket's updates and exchange buffers beside the parameters,
-gradients and state, not the whole model's (three times a rank's share of the matrices, all at
-once, before). Every rank of a stage forms the same buckets (logical sizes, parameter order),
-so the exchanges pair up; each matrix still goes through Newton-Schulz whole, so the result does
-not depend on the bucket size, bit for bit.
+gradients and state, not the whole model's (the updates, send and receive buffers of every
+matrix at once: three times a rank's share of them). Every rank of a stage forms the same
+buckets (logical sizes, parameter order), so the exchanges pair up; each matrix still goes
+through Newton-Schulz whole, so the result does not depend on the bucket size, bit for bit.
 """
 
 from __future__ import annotations
