@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import defaultdict
 
 import hydra
 import torch
@@ -257,23 +258,25 @@ def data_parallel_bytes(model: K3Model, layout: Topology, tokens_per_step: int =
     every call: all_reduce's and broadcast's tensor, all_gather's output, reduce_scatter's
     input; fp32 parameters and gradients), for a rank holding the root parameters (embedding,
     LM head, vision). `model`: the built (meta-device) model; `gather_bytes`: gathered_bytes
-    of the run. With N this rank's parameters, N_root those of the root unit and N_gathered
-    those FSDP2 gathers in g = gather_bytes (all but the root's and the routers'; N_gathered = 0
-    when g = 4):
+    of the run. Each group of parameters reduced over its own ranks adds its terms: the dense
+    ones (and the experts with them when they are whole on every rank) over the dp x cp ranks,
+    the experts under expert or expert tensor parallelism over their expert-data ranks, as
+    units of their own. With N a group's parameters on this rank, N_root those of the root
+    unit, N_gathered those FSDP2 gathers in g = gather_bytes (all but the root's and the
+    routers'; N_gathered = 0 when g = 4) and S its shard ranks within a replica:
 
         none        all_reduce 4N
-        optimizer   all_reduce 4N; broadcast 4N (owners send updated parameters within a replica)
+        optimizer   all_reduce 4N; broadcast 4N (owners send updated parameters within a
+                    replica, when S > 1)
         full        all_gather G + G - 4 N_root, G = 4N - (4 - g) N_gathered (non-root units
-                    gather again in backward); reduce_scatter 4N; HSDP adds all_reduce
-                    4N / (dp_shard x cp) (the shards)
-        expert      all_reduce 4 N_dense over dp x cp and 4 N_experts over expert-data ranks
+                    gather again in backward); reduce_scatter 4N (both when S > 1); HSDP adds
+                    all_reduce 4N / S
         QB counts   every MoE layer's statistics ([E, bins + 1]), one all_reduce, in int32 below
                     2**31 tokens a step (parallel.apply.qb_count_dtype)
 
     The loss-token count, gradient norms and max logits add a few hundred bytes to all_reduce;
     tensor-parallel traffic is not data-parallel and not counted here."""
-    data_ranks = layout.dp * layout.cp
-    if data_ranks == 1:
+    if layout.dp * layout.cp == 1:
         return {}
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     counts = count_parameters(model)
@@ -282,23 +285,28 @@ def data_parallel_bytes(model: K3Model, layout: Topology, tokens_per_step: int =
     dense = (counts.total - routed) / (layout.tp * layout.pp)
     root = sum(n for name, n in sizes.items() if not name.startswith("layers.")) / layout.tp
     routers = sum(n for name, n in sizes.items() if ".router." in name) / (layout.tp * layout.pp)
-    n = dense + experts
-    gathered = (4 - gather_bytes) * (n - root - routers)  # bytes a narrower gather saves
-    shards = layout.dp_shard * layout.cp
-    out: dict[str, float] = {}
-    if layout.ep > 1:  # dense and expert gradients each over their own ranks (no sharding)
-        out["all_reduce"] = 4 * dense + (4 * experts if layout.edp > 1 else 0)
-    elif layout.data_shard == "none":
-        out["all_reduce"] = 4 * n
-    elif layout.data_shard == "optimizer":
-        out["all_reduce"] = 4 * n
-        if shards > 1:
-            out["broadcast"] = 4 * n
+    # (parameters, ranks, shard ranks within a replica, root, routers) of each group
+    dense_shards = layout.dp_shard * layout.cp
+    if layout.ep * layout.etp > 1:
+        groups = [(dense, layout.dp * layout.cp, dense_shards, root, routers),
+                  (experts, layout.edp, layout.edp // layout.dp_replicate, 0, 0)]
     else:
-        out["all_gather"] = 2 * (4 * n - gathered) - 4 * root
-        out["reduce_scatter"] = 4 * n
-        if layout.dp_replicate > 1:
-            out["all_reduce"] = 4 * n / shards
+        groups = [(dense + experts, layout.dp * layout.cp, dense_shards, root, routers)]
+    out: dict[str, float] = defaultdict(float)
+    for n, ranks, shards, n_root, n_routers in groups:
+        if ranks == 1:
+            continue
+        if layout.data_shard == "full":
+            if shards > 1:  # FSDP2 neither gathers nor reduce-scatters over one shard rank
+                gathered = (4 - gather_bytes) * (n - n_root - n_routers)  # a narrower gather
+                out["all_gather"] += 2 * (4 * n - gathered) - 4 * n_root
+                out["reduce_scatter"] += 4 * n
+            if layout.dp_replicate > 1:
+                out["all_reduce"] += 4 * n / shards
+            continue
+        out["all_reduce"] += 4 * n
+        if layout.data_shard == "optimizer" and shards > 1:
+            out["broadcast"] += 4 * n
     dtype = qb_count_dtype(tokens_per_step)
     out[f"QB counts ({str(dtype).removeprefix('torch.')})"] = dtype.itemsize * sum(
         moe.balancer.local_statistics().numel() for moe in model.moe_layers()

@@ -26,9 +26,10 @@ A step goes through the parameters in buckets of about `bucket_bytes` of (logica
 bytes: each bucket's updates are made, orthogonalised and applied before the next bucket's
 exist, so the step holds one bucket's updates and exchange buffers beside the parameters,
 gradients and state, not the whole model's (the updates, send and receive buffers of every
-matrix at once: three times a rank's share of them). Every rank of a stage forms the same
-buckets (logical sizes, parameter order), so the exchanges pair up; each matrix still goes
-through Newton-Schulz whole, so the result does not depend on the bucket size, bit for bit.
+matrix at once: three times a rank's share of them). A bucket holds parameters of one mesh;
+the ranks of an exchange form the same buckets of it (logical sizes, parameter order), so the
+exchanges pair up; each matrix still goes through Newton-Schulz whole, so the result does not
+depend on the bucket size, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypedDict
 
 import torch
+from torch.distributed.tensor import DTensor
 
 # The exchange's interface lives with the layouts that implement it (and is importable here).
 from parallel.muon_exchange import (  # noqa: F401
@@ -184,21 +186,28 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _buckets(self) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
-        """(parameter, group) pairs with a gradient, in order, cut where a bucket's logical bytes
-        would pass `bucket_bytes` (a larger parameter is a bucket of its own)."""
-        buckets: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[]]
-        size = 0
+        """(parameter, group) pairs with a gradient, by the mesh they are held on (its dimension
+        names; plain tensors first), then in order, cut where a bucket's logical bytes would
+        pass `bucket_bytes` (a larger parameter is a bucket of its own). The ranks of an
+        exchange hold the same parameters of its mesh, but not always the same others (ZeRO-1
+        owners): buckets of one mesh at a time pair their exchanges up."""
+        by_mesh: dict[tuple, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
+                if p.grad is not None:
+                    mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+                    by_mesh.setdefault(tuple(mesh), []).append((p, group))
+        buckets: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []
+        for mesh in sorted(by_mesh):
+            size = self.bucket_bytes  # a new bucket for each mesh
+            for p, group in by_mesh[mesh]:
                 nbytes = p.numel() * p.element_size()  # a DTensor's: the logical tensor's
-                if buckets[-1] and size + nbytes > self.bucket_bytes:
+                if size + nbytes > self.bucket_bytes:
                     buckets.append([])
                     size = 0
                 buckets[-1].append((p, group))
                 size += nbytes
-        return buckets if buckets[-1] else []
+        return buckets
 
     def _step_bucket(self, bucket: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         jobs = [MatrixJob(self._momentum_update(p, group), p, group["num_heads"],

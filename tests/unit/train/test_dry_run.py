@@ -125,6 +125,61 @@ def test_fsdp2_gathers_layers_in_bf16_and_the_routers_in_fp32(tmp_path, fsdp_par
         assert got.collective_bytes[op] == planned[op] + padding[op], op
 
 
+@pytest.mark.parametrize("parallel", [
+    dict(data_shard="full", expert=2),
+    dict(data_shard="full", expert=2, data_replicate=2),
+    dict(data_shard="optimizer", expert=2),
+    dict(data_shard="optimizer", expert_tensor=2),
+], ids=["ep2_fsdp2", "ep2_hsdp2", "ep2_zero1", "etp2_zero1"])
+def test_expert_layouts_pass_k3_plans_data_parallel_bytes(tmp_path, parallel):
+    """At world 4, the experts reduced over their own expert-data ranks (units of their own under
+    FSDP2, owners of their own under ZeRO-1): FSDP2's gathers and reduce-scatters and ZeRO-1's
+    broadcasts equal k3-plan's data-parallel count, the dense parameters' and the experts'
+    (the all-gathers beside them: MoonEP's tokens-per-expert counts, [ep, E] int32 per MoE layer
+    and micro-batch, the symm_mem transport's only all-gather)."""
+    from model.k3 import K3Model
+    from train.sizing import data_parallel_bytes, gathered_bytes
+
+    cfg = dry_run_config(_tiny(tmp_path, **parallel))
+    cfg.parallel.moonep.transport = "symm_mem"  # a dry run's stand-in: no CUDA needed
+    cfg.dry_run.world_size = 4
+    cfg.stage.micro_batch_size, cfg.stage.global_batch_size = 1, 4  # one micro-batch a rank
+    validate_train_config(cfg, 4, data=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    topology = Topology.from_config(cfg.parallel, 4, cfg.model).initialize("cpu")
+    try:
+        got = measure_step(cfg, topology, FakeTensorMode(allow_non_fake_inputs=True))
+    finally:
+        topology.destroy()
+        dist.destroy_process_group()
+    with torch.device("meta"):
+        meta = K3Model(cfg.model)
+    planned = data_parallel_bytes(meta, topology,
+                                  gather_bytes=gathered_bytes(cfg.precision.name, "full",
+                                                              cfg.parallel.fsdp_param_dtype))
+    if cfg.parallel.data_shard == "optimizer":
+        assert got.collective_bytes["broadcast"] == planned["broadcast"]
+        return
+    # FSDP2 pads each dense parameter's dim 0 to a multiple of its shards, which k3-plan leaves
+    # out (the experts' 4 home experts split evenly over their shards here; under HSDP their
+    # 2 expert-data ranks are replicas of one shard, which FSDP2 only all-reduces).
+    shards = topology.dp_shard
+    padding = {"all_gather": 0, "reduce_scatter": 0}
+    for name, p in meta.named_parameters():
+        if ".experts." in name:
+            continue
+        rows = -p.shape[0] % shards * p[0].numel()
+        layer = name.startswith("layers.")
+        width = 2 if layer and ".router." not in name else 4
+        padding["all_gather"] += rows * width * (2 if layer else 1)  # layers gather again
+        padding["reduce_scatter"] += rows * 4
+    counts = len(meta.moe_layers()) * topology.ep * cfg.model.moe.num_experts * 4
+    assert got.collective_bytes["reduce_scatter"] == (planned["reduce_scatter"]
+                                                      + padding["reduce_scatter"])
+    assert got.collective_bytes["all_gather"] == (planned["all_gather"] + padding["all_gather"]
+                                                  + counts)
+
+
 def test_the_peak_is_a_later_steps_with_the_optimizer_state(tmp_path):
     """The first step makes the optimizer state only in its update; the reported peak is a
     later step's, measured here on a second real step (its probe tracking the parameters,
