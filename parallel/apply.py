@@ -83,7 +83,9 @@ class ParallelPlan:
     data_parallel: bool = False
     exchange: MatrixExchange = LocalExchange()
     context: ContextParallel | None = None
-    expert_parallel: bool = False  # experts sharded (shard_experts): own gradient reductions
+    # The experts split outside the dense layout (expert or expert tensor parallelism): their
+    # own gradient reductions, norm and checkpoint layout.
+    expert_parallel: bool = False
     # Ranks that route different tokens to the same experts (Quantile Balancing's statistics).
     balancer_group: str = "dp_cp"
     # The dtype those counts are summed in: int32 (half of int64's bytes), which holds any count

@@ -136,7 +136,8 @@ def _expert_layout(param: torch.Tensor, mesh_of: Callable[..., DeviceMesh]) -> _
         return _ExpertLayout(None, [], mesh_of("edp", "ep"), [Replicate(), Shard(0)],
                              [Replicate(), Shard(0)])
     held = param.device_mesh.mesh_dim_names
-    # The expert-data ranks are in the held mesh when FSDP2 shards over them; else replicas.
+    # The expert-data ranks are in the held mesh when FSDP2 shards (or `replicate` copies) the
+    # experts over them; else they hold the same copy.
     outer = ("ep",) if any(d.startswith("edp") for d in held) else ("edp", "ep")
     placements = [Replicate()] * (len(outer) - 1) + [Shard(0), *param.placements]
     saved = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for pl in placements]

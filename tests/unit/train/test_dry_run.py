@@ -88,6 +88,20 @@ def test_a_rank_outside_the_world_is_refused_by_name(tmp_path):
         validate_train_config(cfg, data=False)
 
 
+def _measure_rank_1_of_4(cfg: TrainConfig):
+    """(the step's measurement, the layout) of rank 1 of a world of 4 on the fake process group,
+    one micro-batch a rank."""
+    cfg.stage.micro_batch_size, cfg.stage.global_batch_size = 1, 4
+    validate_train_config(cfg, 4, data=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    topology = Topology.from_config(cfg.parallel, 4, cfg.model).initialize("cpu")
+    try:
+        return measure_step(cfg, topology, FakeTensorMode(allow_non_fake_inputs=True)), topology
+    finally:
+        topology.destroy()
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("fsdp_param_dtype", ["compute", "master"])
 def test_fsdp2_gathers_layers_in_bf16_and_the_routers_in_fp32(tmp_path, fsdp_param_dtype):
     """FSDP2 at world 4 under bf16 autocast: the bytes it gathers and reduce-scatters in one
@@ -98,15 +112,7 @@ def test_fsdp2_gathers_layers_in_bf16_and_the_routers_in_fp32(tmp_path, fsdp_par
     from train.sizing import data_parallel_bytes, gathered_bytes
 
     cfg = dry_run_config(_tiny(tmp_path, data_shard="full", fsdp_param_dtype=fsdp_param_dtype))
-    cfg.stage.micro_batch_size, cfg.stage.global_batch_size = 1, 4  # one micro-batch a rank
-    validate_train_config(cfg, 4, data=False)
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    topology = Topology.from_config(cfg.parallel, 4, cfg.model).initialize("cpu")
-    try:
-        got = measure_step(cfg, topology, FakeTensorMode(allow_non_fake_inputs=True))
-    finally:
-        topology.destroy()
-        dist.destroy_process_group()
+    got, topology = _measure_rank_1_of_4(cfg)
     gather = gathered_bytes(cfg.precision.name, "full", fsdp_param_dtype)
     assert gather == {"compute": 2, "master": 4}[fsdp_param_dtype]
     with torch.device("meta"):
@@ -143,15 +149,7 @@ def test_expert_layouts_pass_k3_plans_data_parallel_bytes(tmp_path, parallel):
     cfg = dry_run_config(_tiny(tmp_path, **parallel))
     cfg.parallel.moonep.transport = "symm_mem"  # a dry run's stand-in: no CUDA needed
     cfg.dry_run.world_size = 4
-    cfg.stage.micro_batch_size, cfg.stage.global_batch_size = 1, 4  # one micro-batch a rank
-    validate_train_config(cfg, 4, data=False)
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    topology = Topology.from_config(cfg.parallel, 4, cfg.model).initialize("cpu")
-    try:
-        got = measure_step(cfg, topology, FakeTensorMode(allow_non_fake_inputs=True))
-    finally:
-        topology.destroy()
-        dist.destroy_process_group()
+    got, topology = _measure_rank_1_of_4(cfg)
     with torch.device("meta"):
         meta = K3Model(cfg.model)
     planned = data_parallel_bytes(meta, topology,
