@@ -108,7 +108,7 @@ class ParallelPlan:
         """This rank's part of a micro-batch: its context-parallel fragment, or all of it."""
         if self.context is None:
             return batch
-        return shard_batch(batch, self.context.rank, self.context.size)
+        return shard_batch(batch, self.context.rank, self.context.size, self.context.zigzag)
 
     def loss_context(self):
         """Wraps forward and backward (vocabulary-parallel cross entropy)."""

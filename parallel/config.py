@@ -32,6 +32,9 @@ class ParallelConfig:
     tensor: int = 1
     sequence_parallel: bool = True  # with tensor > 1: norms and AttnRes mixes sharded on T
     context: int = 1
+    # zigzag: rows in 2*context pieces, rank f holding pieces f and 2*context-1-f (the causal
+    # attention work balanced) | contiguous: piece f of context
+    context_layout: str = "zigzag"
     expert: int = 1
     # Each expert's intermediate dimension split over this many ranks (Megatron's ETP); -1: the
     # tensor-parallel size without expert parallelism (the MoE split like the dense MLP), 1 with it

@@ -1,33 +1,38 @@
-"""Context parallelism: every rank of a CP group holds one contiguous fragment of every row.
+"""Context parallelism: every rank of a CP group holds pieces of every row.
 
-Rank f of F holds positions f*L .. (f+1)*L - 1 of each row (L = T / F); documents may start,
-end or span several fragments. `shard_batch` cuts a batch into this rank's fragment; the local
-cu_seqlens has a boundary at every fragment start, so the unchanged model treats a continued
-document as a new one, and three seams the model names (filled by `apply_context_parallel`)
-join the pieces again:
+`contiguous`: rank f of F holds piece f of F, positions f*L .. (f+1)*L - 1 of each row
+(L = T / F). `zigzag` (parallel.context_layout, the default): rows are cut into 2F pieces and
+rank f holds pieces f and 2F-1-f as two rows of its local batch (pieces of row b: local rows b
+and B + b), so every rank has one early and one late piece and does the same causal-attention
+work (contiguous, the last rank attends to every key, the first to its own only: about twice
+the mean). Documents may start, end or span several pieces. `shard_batch` cuts a batch into
+this rank's pieces; the local cu_seqlens has a boundary at every piece start, so the unchanged
+model treats a continued document as a new one, and three seams the model names (filled by
+`apply_context_parallel`) join the pieces again:
 
-- ShortConv.halo: the previous fragment's last kernel-1 inputs are prepended (an autograd
-  all-gather of every rank's tail), masked by document ids, so the conv restarts only at real
+- ShortConv.halo: the previous piece's last kernel-1 inputs are prepended (an autograd
+  all-gather of every rank's tails), masked by document ids, so the conv restarts only at real
   document starts.
-- KimiDeltaAttention.state_exchange (KCP): the fragment's state is
-  affine in the state entering it, S_end = M S_in + S_ext. One pass of kda_chunk over the
-  fragment with the values widened to [v | 0] and the first document started from [0 | I]
-  gives both: its final state is [S_ext | M] (the value columns of the recurrence are
-  independent, and the zero columns carry the identity through the transition product), and
-  its output columns [o | P] hold the zero-start output and, per token, the map from the
-  incoming state to the output (o_t += S_in^T P_t: the output is linear in S_in). One
-  all-gather of [S_ext | M] (fp32); every rank runs the scan S_in_f = c_f (M_{f-1} S_in_{f-1}
-  + S_ext_{f-1}) over all fragments, where c_f says whether fragment f starts inside a
-  document; M is 0 when the last document started inside the fragment, so a boundary resets the
-  chain. kda_chunk picks fla's kernel on CUDA and the torch chunk form elsewhere; both take
-  per-document initial states and return per-document final states with gradients.
+- KimiDeltaAttention.state_exchange (KCP): a piece's state is affine in the state entering it,
+  S_end = M S_in + S_ext. One pass of kda_chunk over the pieces with the values widened to
+  [v | 0] and each piece's first document started from [0 | I] gives both: its final state is
+  [S_ext | M] (the value columns of the recurrence are independent, and the zero columns carry
+  the identity through the transition product), and its output columns [o | P] hold the
+  zero-start output and, per token, the map from the incoming state to the output
+  (o_t += S_in^T P_t: the output is linear in S_in). One all-gather of [S_ext | M] (fp32);
+  every rank runs the scan S_in_f = c_f (M_{f-1} S_in_{f-1} + S_ext_{f-1}) over all pieces in
+  row order, where c_f says whether piece f starts inside a document; M is 0 when the last
+  document started inside the piece, so a boundary resets the chain. kda_chunk picks fla's
+  kernel on CUDA and the torch chunk form elsewhere; both take per-document initial states and
+  return per-document final states with gradients.
 - GatedMLA.kv_exchange: the compressed latent (kv_lora + rope per token, far smaller than K and
-  V) is all-gathered up to this fragment's end; each rank expands K and V itself and its queries
-  attend document-causally at their offset (offset_doc_causal_attention).
+  V) is all-gathered up to this rank's last piece; each rank expands K and V itself and each of
+  its pieces' queries attend document-causally at their offset (offset_doc_causal_attention)
+  to the keys up to the piece's end.
 
 The collectives are torch's functional all-gather with autograd: the backward reduce-scatters
 the gradients to the ranks that produced the inputs. Every rank's graph uses the whole gathered
-tensor (the scan runs over all fragments), so every rank joins each backward collective.
+tensor (the scan runs over all pieces), so every rank joins each backward collective.
 Parameters are replicated over the CP ranks: their gradients are summed over dp x cp, and the
 loss is normalised by the loss tokens of dp x cp (parallel/apply.py does both).
 """
@@ -58,46 +63,74 @@ class ContextShard(K3Batch):
     to tell a continued document from a new one."""
 
     row_segments: torch.Tensor | None = None  # [B, T] document ids of the whole rows
-    fragment: int = 0
-    num_fragments: int = 1
+    fragment: int = 0  # this rank in its CP group
+    num_fragments: int = 1  # the CP ranks
+    zigzag: bool = False
 
     def to(self, device) -> ContextShard:
         return ContextShard(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
     @property
+    def pieces(self) -> tuple[int, ...]:
+        """The pieces of every row this rank holds, in its local row order."""
+        return held_pieces(self.fragment, self.num_fragments, self.zigzag)
+
+    @property
     def start(self) -> int:
-        """The row position of this fragment's first token."""
-        return self.fragment * self.tokens.shape[1]
+        """The row position of this rank's first piece's first token."""
+        return self.pieces[0] * self.tokens.shape[1]
+
+
+def held_pieces(rank: int, size: int, zigzag: bool) -> tuple[int, ...]:
+    """The pieces of every row CP rank `rank` of `size` holds, in its local row order: piece
+    `rank` of `size`, or under zig-zag pieces rank and 2*size-1-rank of 2*size."""
+    return (rank, 2 * size - 1 - rank) if zigzag else (rank,)
+
+
+def piece_holders(size: int, zigzag: bool) -> list[tuple[int, int]]:
+    """For each piece of a row in order, (the CP rank holding it, its local half)."""
+    holders = [(0, 0)] * (2 * size if zigzag else size)
+    for rank in range(size):
+        for half, piece in enumerate(held_pieces(rank, size, zigzag)):
+            holders[piece] = (rank, half)
+    return holders
 
 
 def _to(value, device):
     return value.to(device) if hasattr(value, "to") else value
 
 
-def shard_batch(batch: K3Batch, fragment: int, num_fragments: int) -> ContextShard:
-    """This rank's fragment (positions fragment*L .. (fragment+1)*L - 1 of every row). Labels are
-    already shifted, so each fragment's last label is the next fragment's first token."""
+def shard_batch(batch: K3Batch, fragment: int, num_fragments: int,
+                zigzag: bool = False) -> ContextShard:
+    """CP rank `fragment` of `num_fragments`'s pieces of every row (held_pieces), as rows of
+    L = T / pieces tokens: [B, L], or [2B, L] under zig-zag (the early pieces' rows, then the
+    late ones'). Labels are already shifted, so each piece's last label is the next piece's
+    first token."""
     B, T = batch.tokens.shape
-    if T % num_fragments:
-        raise ValueError(f"sequence length {T} must be divisible by parallel.context="
-                         f"{num_fragments} (each rank holds an equal fragment of every row)")
-    L = T // num_fragments
-    start = fragment * L
+    pieces = held_pieces(fragment, num_fragments, zigzag)
+    num_pieces = num_fragments * len(pieces)
+    if T % num_pieces:
+        raise ValueError(f"sequence length {T} must be divisible by {num_pieces}: "
+                         f"parallel.context={num_fragments} ranks each hold {len(pieces)} equal "
+                         f"piece(s) of every row")
+    L = T // num_pieces
     cu = batch.cu_seqlens
-    # Global boundary b*T + t -> local b*L + clamp(t - start, 0, L): the same N + 1 entries
-    # (documents outside the fragment become empty), static shapes.
-    local_cu = (cu // T) * L + (cu % T - start).clamp(0, L)
-    rows = slice(start, start + L)
-    return ContextShard(batch.tokens[:, rows], batch.labels[:, rows], local_cu,
-                        _fragment_vision(batch.vision, T, start, L),
+    # Global boundary b*T + t -> local (h*B + b)*L + clamp(t - start_h, 0, L) for the piece of
+    # local half h: N + 1 entries a piece (documents outside it become empty), static shapes.
+    local_cu = torch.cat([(h * B + cu // T) * L + (cu % T - p * L).clamp(0, L)
+                          for h, p in enumerate(pieces)])
+    cut = [slice(p * L, (p + 1) * L) for p in pieces]
+    return ContextShard(torch.cat([batch.tokens[:, c] for c in cut]),
+                        torch.cat([batch.labels[:, c] for c in cut]), local_cu,
+                        _piece_vision(batch.vision, B, T, pieces, L),
                         row_segments=segment_ids(cu, B * T).view(B, T), fragment=fragment,
-                        num_fragments=num_fragments)
+                        num_fragments=num_fragments, zigzag=zigzag)
 
 
-def _fragment_vision(vision: VisionInput | None, T: int, start: int, L: int):
+def _piece_vision(vision: VisionInput | None, B: int, T: int, pieces: tuple[int, ...], L: int):
     """Every rank encodes all of the batch's images (their gradients sum over the CP ranks
     like any replicated parameter's) and keeps the output tokens whose placeholders lie in its
-    fragment. Runs on the loader's CPU batch before the forward: its host sync is not on the
+    pieces. Runs on the loader's CPU batch before the forward: its host sync is not on the
     model's hot path."""
     if vision is None:
         return None
@@ -105,9 +138,13 @@ def _fragment_vision(vision: VisionInput | None, T: int, start: int, L: int):
     if rows is None:
         rows = torch.arange(vision.token_positions.shape[0])
     row, pos = vision.token_positions // T, vision.token_positions % T
-    inside = ((pos >= start) & (pos < start + L)).nonzero().squeeze(1)
-    local = row * L + pos - start
-    return VisionInput(vision.patches, vision.grid_thw, local[inside], rows[inside])
+    local, kept = [], []
+    for half, piece in enumerate(pieces):
+        start = piece * L
+        inside = ((pos >= start) & (pos < start + L)).nonzero().squeeze(1)
+        local.append(((half * B + row) * L + pos - start)[inside])
+        kept.append(rows[inside])
+    return VisionInput(vision.patches, vision.grid_thw, torch.cat(local), torch.cat(kept))
 
 
 def fragment_continues(row_segments: torch.Tensor, num_fragments: int) -> torch.Tensor:
@@ -178,19 +215,27 @@ class ContextParallel:
     checkpointing recomputes a layer in the backward of the same micro-batch, so the ids stay
     valid for it as long as one micro-batch's backward follows its forward."""
 
-    def __init__(self, group):
+    def __init__(self, group, zigzag: bool = False):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.zigzag = zigzag
+        self.pieces = held_pieces(self.rank, self.size, zigzag)
+        self.num_pieces = self.size * len(self.pieces)
+        holders = piece_holders(self.size, zigzag)
+        # Gathered [F, halves * B, ...] viewed as [F * halves, B, ...]: the rows of each piece.
+        self._piece_rows = [rank * len(self.pieces) + half for rank, half in holders]
         self.row_segments: torch.Tensor | None = None
 
     def bind(self, shard: ContextShard) -> None:
         if not isinstance(shard, ContextShard):
-            raise TypeError(f"a context-parallel model takes this rank's fragment of the batch "
+            raise TypeError(f"a context-parallel model takes this rank's pieces of the batch "
                             f"(parallel.context_parallel.shard_batch), got {type(shard).__name__}")
-        if (shard.fragment, shard.num_fragments) != (self.rank, self.size):
-            raise ValueError(f"the batch is fragment {shard.fragment} of {shard.num_fragments}, "
-                             f"but this rank is {self.rank} of {self.size} in its CP group")
+        if (shard.fragment, shard.num_fragments, shard.zigzag) != (self.rank, self.size,
+                                                                   self.zigzag):
+            raise ValueError(f"the batch is rank {shard.fragment}'s of {shard.num_fragments} "
+                             f"(zigzag={shard.zigzag}), but this rank is {self.rank} of "
+                             f"{self.size} in its CP group (zigzag={self.zigzag})")
         self.row_segments = shard.row_segments
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,30 +243,44 @@ class ContextParallel:
         out = funcol.all_gather_single_autograd(x.contiguous(), gather_dim=0, group=self.group)
         return out.view(self.size, *x.shape)
 
+    def gather_pieces(self, x: torch.Tensor) -> torch.Tensor:
+        """x [halves * B, ...] (this rank's rows, by local half) -> [pieces, B, ...]: every
+        piece's rows in row order."""
+        every = self.gather(x)
+        rows = x.shape[0] // len(self.pieces)
+        by_half = every.view(self.size * len(self.pieces), rows, *x.shape[1:])
+        index = torch.tensor(self._piece_rows, device=x.device)
+        return by_half.index_select(0, index)
+
     def _segments(self, tokens: int) -> torch.Tensor:
-        """The bound rows' document ids, checked against the fragment's `tokens` (B*L)."""
+        """The bound rows' document ids, checked against this rank's `tokens` (halves*B*L)."""
         if self.row_segments is None:
             raise RuntimeError("no context-parallel batch bound: call bind(shard) first")
         if self.row_segments.numel() != tokens * self.size:
-            raise ValueError(f"a fragment of {tokens} tokens does not match the bound rows "
+            raise ValueError(f"{tokens} tokens on this rank do not match the bound rows "
                              f"{list(self.row_segments.shape)} over {self.size} ranks")
         return self.row_segments
 
+    def _own(self, row_segments: torch.Tensor, L: int) -> torch.Tensor:
+        """This rank's pieces' document ids [halves * B, L]."""
+        return torch.cat([row_segments[:, p * L:(p + 1) * L] for p in self.pieces])
+
     def conv_halo(self, x: torch.Tensor, segments, width: int):
-        """ShortConv.halo: (the `width` inputs before the fragment + x, their document ids)."""
-        del segments  # the rows' ids also number the inputs before the fragment
-        B, L, _ = x.shape
+        """ShortConv.halo: (the `width` inputs before each piece + x, their document ids)."""
+        del segments  # the rows' ids also number the inputs before the pieces
+        rows, L, _ = x.shape
         if L < width:
-            raise ValueError(f"fragment length {L} is shorter than the conv halo ({width}): "
+            raise ValueError(f"piece length {L} is shorter than the conv halo ({width}): "
                              f"lower parallel.context or raise the sequence length")
-        row_segments = self._segments(B * L)
-        before = self.gather(x[:, L - width:])[(self.rank - 1) % self.size]
-        start = self.rank * L
-        if self.rank == 0:  # nothing before the rows; the last rank's tail is masked out
-            ids_before = row_segments.new_full((B, width), -1)
-        else:
-            ids_before = row_segments[:, start - width:start]
-        ids = torch.cat([ids_before, row_segments[:, start:start + L]], dim=1)
+        row_segments = self._segments(rows * L)
+        B = row_segments.shape[0]
+        tails = self.gather_pieces(x[:, L - width:])
+        # Nothing is before piece 0: the last piece's tail stands in, masked out by its ids
+        # (every rank's graph uses the gathered tails, so every rank joins their backward).
+        before = torch.cat([tails[p - 1] for p in self.pieces])
+        ids_before = torch.cat([row_segments[:, p * L - width:p * L] if p > 0
+                                else row_segments.new_full((B, width), -1) for p in self.pieces])
+        ids = torch.cat([ids_before, self._own(row_segments, L)], dim=1)
         return torch.cat([before, x], dim=1), ids
 
     def kda_exchange(self, kda, q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
@@ -229,46 +288,64 @@ class ContextParallel:
         return self.kda_with_states(kda, q, k, v, g, beta, cu_seqlens)[0]
 
     def kda_with_states(self, kda, q, k, v, g, beta, cu_seqlens):
-        """(o, the state entering each row's first document [B, H, K, V])."""
+        """(o, the state entering each local row's first document [halves * B, H, K, V])."""
         row_segments = self._segments(q.shape[1])
-        rows = row_segments.shape[0]
+        rows = row_segments.shape[0] * len(self.pieces)
         o, state_map, summary = fragment_summary(kda, q, k, v, g, beta, cu_seqlens, rows)
-        continues = fragment_continues(row_segments, self.size)
-        incoming = incoming_states(self.gather(summary), continues)[self.rank]
-        return add_incoming_state(o, state_map, incoming), incoming
+        continues = fragment_continues(row_segments, self.num_pieces)
+        incoming = incoming_states(self.gather_pieces(summary), continues)
+        mine = torch.cat([incoming[p] for p in self.pieces])
+        return add_incoming_state(o, state_map, mine), mine
 
     def mla_exchange(self, latent: torch.Tensor):
-        """GatedMLA.kv_exchange: the latents of all fragments up to this one's end (causal: the
-        later ones are never attended) and the offset attention over them."""
-        B, L, C = latent.shape
-        row_segments = self._segments(B * L)
-        start = self.rank * L
-        keys = self.gather(latent)[: self.rank + 1].transpose(0, 1).reshape(B, start + L, C)
-        attend = functools.partial(_fragment_attention, q_segments=row_segments[:, start:start + L],
-                                   k_segments=row_segments[:, :start + L], q_offset=start)
-        return keys, attend
+        """GatedMLA.kv_exchange: the latents of every piece up to this rank's last (causal: the
+        later ones are never attended) and the offset attention of each of its pieces over
+        them (a piece's keys are the first of those)."""
+        rows, L, C = latent.shape
+        row_segments = self._segments(rows * L)
+        B, last = row_segments.shape[0], max(self.pieces)
+        keys = self.gather_pieces(latent)[:last + 1].transpose(0, 1).reshape(B, (last + 1) * L, C)
+        attend = functools.partial(_pieces_attention, row_segments=row_segments,
+                                   pieces=self.pieces, length=L)
+        return keys.repeat(len(self.pieces), 1, 1), attend
 
 
-def _fragment_attention(q, k, v, cu_seqlens, scale, backend, return_max_logit, *, q_segments,
-                        k_segments, q_offset):
-    """doc_causal_attention's signature over gathered keys: the rows' document ids replace the
-    fragment's cu_seqlens; the dense reference stays available for tests, every other backend
+def _pieces_attention(q, k, v, cu_seqlens, scale, backend, return_max_logit, *, row_segments,
+                      pieces, length):
+    """doc_causal_attention's signature over gathered keys, piece by piece (a local half of
+    the rows each, attending to the keys up to its end): the rows' document ids replace the
+    pieces' cu_seqlens; the dense reference stays available for tests, every other backend
     runs blockwise (linear memory)."""
     del cu_seqlens
-    return offset_doc_causal_attention(q, k, v, q_segments, k_segments, q_offset, scale,
-                                       "reference" if backend == "reference" else "blockwise",
-                                       return_max_logit)
+    B = row_segments.shape[0]
+    outs, max_logits = [], []
+    for half, piece in enumerate(pieces):
+        rows, start, end = slice(half * B, (half + 1) * B), piece * length, (piece + 1) * length
+        out = offset_doc_causal_attention(
+            q[rows], k[rows, :end], v[rows, :end], row_segments[:, start:end],
+            row_segments[:, :end], start, scale,
+            "reference" if backend == "reference" else "blockwise", return_max_logit)
+        if return_max_logit:
+            out, max_logit = out
+            max_logits.append(max_logit)
+        outs.append(out)
+    out = torch.cat(outs)
+    return (out, torch.stack(max_logits).amax(0)) if return_max_logit else out
 
 
-def apply_context_parallel(model: nn.Module, cp) -> ContextParallel | None:
+def apply_context_parallel(model: nn.Module, cp, zigzag: bool | None = None
+                           ) -> ContextParallel | None:
     """Fills the model's context-parallel seams (KDA state exchange, conv halo, MLA latent
-    gather) for the CP group `cp` (a ProcessGroup, or a Topology's "cp" group). A K3Model then
-    takes ContextShards (shard_batch); a single layer needs `bind(shard)` before its forward.
-    Returns None (model unchanged) for a group of one rank."""
+    gather) for the CP group `cp` (a ProcessGroup, or a Topology, whose "cp" group and
+    context_layout are taken). A K3Model then takes ContextShards (shard_batch); a single layer
+    needs `bind(shard)` before its forward. `zigzag`: the pieces' layout (None: the Topology's,
+    contiguous for a group). Returns None (model unchanged) for a group of one rank."""
     group = cp.group("cp") if hasattr(cp, "group") else cp
+    if zigzag is None:
+        zigzag = getattr(cp, "context_layout", "contiguous") == "zigzag"
     if dist.get_world_size(group) == 1:
         return None
-    context = ContextParallel(group)
+    context = ContextParallel(group, zigzag)
     for module in model.modules():
         if isinstance(module, ShortConv):
             module.halo = context.conv_halo

@@ -40,6 +40,7 @@ from .config import ParallelConfig
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 DATA_SHARD_MODES = ("none", "optimizer", "full")
 FSDP_PARAM_DTYPES = ("compute", "master")  # see ParallelConfig.fsdp_param_dtype
+CONTEXT_LAYOUTS = ("zigzag", "contiguous")  # see ParallelConfig.context_layout
 EXPERT_DISPATCH = ("moonep", "dynamic")
 MOONEP_TRANSPORTS = ("collective", "symm_mem")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -117,6 +118,7 @@ class Topology:
     etp: int
     edp: int
     data_shard: str = "none"
+    context_layout: str = "zigzag"
     sequence_parallel: bool = False  # effective: requested and tp > 1
     virtual_stages: int = 1
     pipeline_schedule: str = "1F1B"
@@ -192,6 +194,9 @@ class Topology:
             _fail("parallel.timeout_s", p.timeout_s, "must be > 0 (seconds)")
         if p.data_shard not in DATA_SHARD_MODES:
             _fail("parallel.data_shard", p.data_shard, f"must be one of {list(DATA_SHARD_MODES)}")
+        if p.context_layout not in CONTEXT_LAYOUTS:
+            _fail("parallel.context_layout", p.context_layout,
+                  f"must be one of {list(CONTEXT_LAYOUTS)}")
         if p.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
             _fail("parallel.fsdp_param_dtype", p.fsdp_param_dtype,
                   f"must be one of {list(FSDP_PARAM_DTYPES)}")
@@ -234,7 +239,7 @@ class Topology:
                   f"(every replica holds whole expert groups)")
         topo = cls(world_size=world_size, pp=p.pipeline, dp_replicate=p.data_replicate,
                    dp_shard=data // p.data_replicate, cp=p.context, tp=p.tensor, ep=p.expert,
-                   etp=etp, edp=edp, data_shard=p.data_shard,
+                   etp=etp, edp=edp, data_shard=p.data_shard, context_layout=p.context_layout,
                    # Sequence parallelism shards activations over the tensor-parallel ranks, so
                    # it is meaningless (and ignored) without them; the default stays "on".
                    sequence_parallel=bool(p.sequence_parallel) and p.tensor > 1,

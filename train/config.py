@@ -232,12 +232,15 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
               "optimizer, parallel.expert=1, parallel.pipeline=1, device cpu (sharded DTensor "
               "and GPU parameters, expert and pipeline layouts are not offloaded yet)")
     topo = Topology.from_config(cfg.parallel, world_size, cfg.model)
-    # Sequence parallelism, and the MoE under expert x tensor parallelism, split the tokens.
-    shards = topo.cp * (topo.tp if topo.sequence_parallel or topo.ep > 1 else 1)
+    # Context parallelism splits the rows; sequence parallelism and the tensor-parallel MoE
+    # (whose experts are split over expert or expert tensor parallel ranks) split the tokens.
+    pieces = 2 if topo.cp > 1 and topo.context_layout == "zigzag" else 1
+    shards = pieces * topo.cp * topo.tp
     if cfg.stage.seq_len % shards:
         _fail("stage.seq_len", cfg.stage.seq_len,
-              f"must be divisible by {shards}: context={topo.cp} x tensor={topo.tp} (sequence "
-              f"parallel, or expert parallel) ranks each hold an equal part of the sequence")
+              f"must be divisible by {shards}: {pieces} piece(s) on each of context={topo.cp} "
+              f"ranks (parallel.context_layout={topo.context_layout}) x tensor={topo.tp} ranks "
+              f"each hold an equal part of the sequence")
     # A dry run models the GPU job on the CPU (its exchange is a stand-in).
     if (topo.ep > 1 and cfg.parallel.moonep.transport == "symm_mem"
             and not cfg.dry_run.world_size):

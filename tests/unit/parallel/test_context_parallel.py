@@ -61,9 +61,45 @@ def test_shard_batch_keeps_the_vision_tokens_of_its_fragment():
     assert sorted(seen) == list(range(len(positions)))
 
 
+def test_zigzag_pieces_balance_the_causal_work_and_keep_every_token():
+    """Under zig-zag CP4 every row is cut into 8 pieces of 16 and rank f holds pieces f and 7-f
+    as its rows b and 2 + b: together the ranks hold every token and label once, each piece's
+    documents are the rows' cut at its edges, the vision tokens land in the rows of their
+    pieces, and every rank's queries attend to as many keys (the pieces' ends: (f+1) + (8-f)
+    pieces), where contiguous fragments give the last rank 4x the first's."""
+    batch = make_batch()
+    positions = torch.tensor([5, 30, 31, 32, 33, 130, 200, 255])  # flattened over 2 x 128
+    batch.vision = VisionInput(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), positions)
+    global_seg = segment_ids(batch.cu_seqlens, 2 * T).view(2, T)
+    tokens, seen, work = torch.full_like(batch.tokens, -1), [], []
+    for f in range(4):
+        s = shard_batch(batch, f, 4, zigzag=True)
+        assert s.pieces == (f, 7 - f) and s.tokens.shape == (4, 16)
+        local = segment_ids(s.cu_seqlens, 4 * 16).view(4, 16)
+        for half, piece in enumerate(s.pieces):
+            cols = slice(piece * 16, (piece + 1) * 16)
+            rows = slice(2 * half, 2 * half + 2)
+            tokens[:, cols] = s.tokens[rows]
+            assert torch.equal(s.labels[rows], batch.labels[:, cols])
+            cut = global_seg[:, cols]
+            assert torch.equal(local[rows, 1:] != local[rows, :-1], cut[:, 1:] != cut[:, :-1])
+        row, pos = s.vision.token_positions // 16, s.vision.token_positions % 16
+        piece = torch.tensor(s.pieces)[row // 2]
+        assert torch.equal((row % 2) * T + piece * 16 + pos, positions[s.vision.output_rows])
+        seen += s.vision.output_rows.tolist()
+        work.append(sum(p + 1 for p in s.pieces))
+    assert torch.equal(tokens, batch.tokens)
+    assert sorted(seen) == list(range(len(positions)))
+    assert work == [9, 9, 9, 9]
+    contiguous = [shard_batch(batch, f, 4).start // 32 + 1 for f in range(4)]
+    assert contiguous == [1, 2, 3, 4]
+
+
 def test_shard_batch_rejects_what_it_cannot_split():
     with pytest.raises(ValueError, match="parallel.context=3"):
         shard_batch(make_batch(), 0, 3)
+    with pytest.raises(ValueError, match="divisible by 6: parallel.context=3 ranks each hold 2"):
+        shard_batch(make_batch(), 0, 3, zigzag=True)
 
 
 def test_k3_train_validates_the_context_size():
@@ -71,6 +107,12 @@ def test_k3_train_validates_the_context_size():
     from train.config import ParallelConfig, TrainConfig, validate_train_config
 
     cfg = TrainConfig(parallel=ParallelConfig(context=2))
+    assert validate_train_config(cfg, 2) is cfg
+    cfg.stage.seq_len = 126  # 2 zig-zag pieces on each of 2 ranks
+    with pytest.raises(ConfigError, match=r"stage.seq_len=126 is invalid: must be divisible by 4: "
+                                          r"2 piece\(s\) on each of context=2 ranks"):
+        validate_train_config(cfg, 2)
+    cfg.parallel.context_layout = "contiguous"
     assert validate_train_config(cfg, 2) is cfg
     cfg.stage.seq_len = 127
     with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):

@@ -301,11 +301,13 @@ def test_sequence_parallel_needs_the_sequence_to_split_over_tensor_ranks():
     cfg.stage.seq_len = 127
     with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
         validate_train_config(cfg, 2)
-    cfg.parallel.sequence_parallel = False  # then the sequence stays whole on every rank
-    assert validate_train_config(cfg, 2) is cfg
-    cfg.parallel.expert = 2  # ... unless the MoE splits the tokens over the tensor ranks
+    # Without it the MoE still splits the tokens over the tensor ranks (its experts are split
+    # over them: expert tensor parallelism by default, or expert parallelism).
+    cfg.parallel.sequence_parallel = False
     with pytest.raises(ConfigError, match="stage.seq_len=127 is invalid: must be divisible by 2"):
         validate_train_config(cfg, 2)
+    cfg.stage.seq_len = 126
+    assert validate_train_config(cfg, 2) is cfg
 
 
 # Expert parallelism composed with FSDP2 and/or tensor parallelism on 4 ranks, written out by
@@ -323,9 +325,10 @@ EP_COMPOSITIONS = [
      "sizes": dict(dp=2, tp=2, ep=2, edp=2),
      "groups": {"tp": [[0, 1], [2, 3]], "dp_cp": [[0, 2], [1, 3]], "ep": [[0, 1], [2, 3]],
                 "edp": [[0, 2], [1, 3]], "dp_cp_tp": [[0, 1, 2, 3]]},
-     # tensor parallelism only (gradients reduced by hand): the experts stay plain tensors
+     # DDP (FSDP2's replicate) x TP; the experts replicated over the edp mesh
      "data_mesh": (("dp_cp", "tp"), [[0, 1], [2, 3]]),
-     "dense_meshes": {(("tp",), "tp")}, "balancer": "dp_cp_tp"},
+     "dense_meshes": {(("dp_cp", "tp"), "all"), (("dp_cp",), "dp_cp")},
+     "balancer": "dp_cp_tp"},
     {"overrides": dict(expert=2, tensor=2, data_shard="full"),
      "sizes": dict(dp=2, tp=2, ep=2, edp=2),
      "groups": {"tp": [[0, 1], [2, 3]], "dp_cp": [[0, 2], [1, 3]], "ep": [[0, 1], [2, 3]],
@@ -353,7 +356,7 @@ def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides,
     as DTensors on the expected meshes, tensor-parallel shards where tp > 1, and Quantile
     Balancing's reduction over the ranks that route different tokens. A topology that drops or
     folds a dimension (ep, edp, tp, the FSDP dims) fails here."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from model.k3 import K3Model
     from model.ops import fused
@@ -387,7 +390,7 @@ def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides,
             model = K3Model(cfg.model)
             shard_experts(model, t, cfg)
             plan = parallelize(model, t, cfg)
-            assert plan.expert_parallel and plan.data_parallel == full
+            assert plan.expert_parallel and plan.data_parallel
             assert plan.balancer_group == spec["balancer"]
             assert t.ranks(plan.balancer_group) == groups[spec["balancer"]]
 
@@ -400,14 +403,13 @@ def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(overrides,
                 for name in ("w1", "w2"):
                     weight, start = getattr(moe.experts, name), getattr(ref.experts, name)[home]
                     assert weight.shape == start.shape, (name, rank)
-                    if full:  # FSDP2 shards the home experts over the expert-data ranks
-                        assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
-                        assert weight.device_mesh.mesh.tolist() == groups["edp"]
-                        shard = start.chunk(len(groups["edp"]))[edp_index]
-                        assert torch.equal(weight.to_local(), shard), (name, rank)
-                    else:
-                        assert not isinstance(weight, DTensor)
-                        assert torch.equal(weight.detach(), start), (name, rank)
+                    # FSDP2 shards the home experts over the expert-data ranks; replicate
+                    # holds them whole on each
+                    assert isinstance(weight, DTensor)
+                    assert weight.placements == ((Shard(0),) if full else (Replicate(),))
+                    assert weight.device_mesh.mesh.tolist() == groups["edp"]
+                    shard = start.chunk(len(groups["edp"]))[edp_index] if full else start
+                    assert torch.equal(weight.to_local(), shard), (name, rank)
 
             named = {"all": [0, 1, 2, 3], **groups}
             expected_meshes = {(names, tuple(named[which])) for names, which in
