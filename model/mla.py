@@ -41,8 +41,8 @@ class GatedMLA(nn.Module):
         self.record_max_logit = False
         self.max_logit: torch.Tensor | None = None
         # Context-parallel seam (filled from parallel/): kv_exchange(latent) -> (the latents of
-        # the keys this fragment's queries may see, an attention with doc_causal_attention's
-        # signature over them).
+        # the keys this rank's queries may see, [rows, keys, C] with rows dividing the query
+        # rows, and an attention with doc_causal_attention's signature over them).
         self.kv_exchange = None
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -54,7 +54,9 @@ class GatedMLA(nn.Module):
         if self.kv_exchange is not None:  # the compressed latent crosses ranks, not K and V
             latent, attend = self.kv_exchange(latent)
         ckv, k_rope = latent.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b(self.kv_a_norm(ckv)).view(b, latent.shape[1], -1, self.nope + self.v_dim)
+        # The exchanged latents may serve several query rows each (context parallelism's pieces
+        # of one row): their own batch dimension.
+        kv = self.kv_b(self.kv_a_norm(ckv)).view(*latent.shape[:2], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)
         out = attend(q, k, v, cu_seqlens, scale=self.scale, backend=self.backend,

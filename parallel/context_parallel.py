@@ -299,30 +299,31 @@ class ContextParallel:
 
     def mla_exchange(self, latent: torch.Tensor):
         """GatedMLA.kv_exchange: the latents of every piece up to this rank's last (causal: the
-        later ones are never attended) and the offset attention of each of its pieces over
-        them (a piece's keys are the first of those)."""
+        later ones are never attended), one set [B, ...] for the rows of all its pieces, and the
+        offset attention of each of its pieces over them (a piece's keys are the first of
+        those)."""
         rows, L, C = latent.shape
         row_segments = self._segments(rows * L)
         B, last = row_segments.shape[0], max(self.pieces)
         keys = self.gather_pieces(latent)[:last + 1].transpose(0, 1).reshape(B, (last + 1) * L, C)
         attend = functools.partial(_pieces_attention, row_segments=row_segments,
                                    pieces=self.pieces, length=L)
-        return keys.repeat(len(self.pieces), 1, 1), attend
+        return keys, attend  # [B, ...]: each piece's queries take the keys of their rows
 
 
 def _pieces_attention(q, k, v, cu_seqlens, scale, backend, return_max_logit, *, row_segments,
                       pieces, length):
-    """doc_causal_attention's signature over gathered keys, piece by piece (a local half of
-    the rows each, attending to the keys up to its end): the rows' document ids replace the
-    pieces' cu_seqlens; the dense reference stays available for tests, every other backend
-    runs blockwise (linear memory)."""
+    """doc_causal_attention's signature over gathered keys [B, ...] (one set for the rows of
+    every piece), piece by piece (a local half of the query rows each, attending to the keys up
+    to its end): the rows' document ids replace the pieces' cu_seqlens; the dense reference
+    stays available for tests, every other backend runs blockwise (linear memory)."""
     del cu_seqlens
     B = row_segments.shape[0]
     outs, max_logits = [], []
     for half, piece in enumerate(pieces):
         rows, start, end = slice(half * B, (half + 1) * B), piece * length, (piece + 1) * length
         out = offset_doc_causal_attention(
-            q[rows], k[rows, :end], v[rows, :end], row_segments[:, start:end],
+            q[rows], k[:, :end], v[:, :end], row_segments[:, start:end],
             row_segments[:, :end], start, scale,
             "reference" if backend == "reference" else "blockwise", return_max_logit)
         if return_max_logit:
