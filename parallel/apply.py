@@ -293,13 +293,16 @@ def _pipeline_step(model: K3Model, topology, cfg, mesh, device: torch.device,
     from .pipeline import PipelineStep  # see shard_stages
 
     micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * topology.dp)
-    # Under context parallelism a stage runs this rank's fragment of every row.
+    # Under context parallelism a stage runs this rank's pieces of every row, each piece a row
+    # of its local batch (two under zig-zag).
+    pieces = 2 if topology.cp > 1 and topology.context_layout == "zigzag" else 1
     activations = None
     if topology.tp > 1:
         activations = (mesh["tp"], Shard(1) if topology.sequence_parallel else Replicate())
     return PipelineStep(model, *_stage_costs(cfg), topology.group("pp"),
                         topology.pipeline_schedule, topology.virtual_stages, micro_batches,
-                        (cfg.stage.micro_batch_size, cfg.stage.seq_len // topology.cp), device,
+                        (cfg.stage.micro_batch_size * pieces,
+                         cfg.stage.seq_len // (topology.cp * pieces)), device,
                         activations, activation_dtype)
 
 
