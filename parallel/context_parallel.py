@@ -87,15 +87,6 @@ def held_pieces(rank: int, size: int, zigzag: bool) -> tuple[int, ...]:
     return (rank, 2 * size - 1 - rank) if zigzag else (rank,)
 
 
-def piece_holders(size: int, zigzag: bool) -> list[tuple[int, int]]:
-    """For each piece of a row in order, (the CP rank holding it, its local half)."""
-    holders = [(0, 0)] * (2 * size if zigzag else size)
-    for rank in range(size):
-        for half, piece in enumerate(held_pieces(rank, size, zigzag)):
-            holders[piece] = (rank, half)
-    return holders
-
-
 def _to(value, device):
     return value.to(device) if hasattr(value, "to") else value
 
@@ -222,9 +213,6 @@ class ContextParallel:
         self.zigzag = zigzag
         self.pieces = held_pieces(self.rank, self.size, zigzag)
         self.num_pieces = self.size * len(self.pieces)
-        holders = piece_holders(self.size, zigzag)
-        # Gathered [F, halves * B, ...] viewed as [F * halves, B, ...]: the rows of each piece.
-        self._piece_rows = [rank * len(self.pieces) + half for rank, half in holders]
         self.row_segments: torch.Tensor | None = None
 
     def bind(self, shard: ContextShard) -> None:
@@ -247,10 +235,12 @@ class ContextParallel:
         """x [halves * B, ...] (this rank's rows, by local half) -> [pieces, B, ...]: every
         piece's rows in row order."""
         every = self.gather(x)
-        rows = x.shape[0] // len(self.pieces)
-        by_half = every.view(self.size * len(self.pieces), rows, *x.shape[1:])
-        index = torch.tensor(self._piece_rows, device=x.device)
-        return by_half.index_select(0, index)
+        if not self.zigzag:
+            return every
+        # Pieces 0..F-1 are the ranks' early halves in rank order, F..2F-1 their late halves
+        # in reverse rank order.
+        early, late = every.unflatten(1, (2, -1)).unbind(1)
+        return torch.cat([early, late.flip(0)])
 
     def _segments(self, tokens: int) -> torch.Tensor:
         """The bound rows' document ids, checked against this rank's `tokens` (halves*B*L)."""

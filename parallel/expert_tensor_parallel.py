@@ -20,8 +20,6 @@ slices.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -29,11 +27,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.nn.utils.stateless import _reparametrize_module
 
 from model.k3 import K3Model
 from model.moe.dispatch import Dispatched
-from model.moe.experts import GroupedExperts
+
+from .tensor_parallel import localise_when_run
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -74,23 +72,6 @@ def expert_shards() -> dict[str, object]:
     return {"w1": _StridedShard(1, split_factor=2), "w2": Shard(2)}
 
 
-def _run_on_local_slices(experts: GroupedExperts) -> None:
-    """The experts' GEMMs take their weights' local slices when they run (FSDP2, where it
-    shards the experts over the expert-data ranks, has gathered them into the etp DTensors by
-    then, also when activation checkpointing recomputes the layer); the slices' gradients are
-    the DTensors' own shards."""
-    forward = experts.forward
-
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        local = {name: p.to_local(grad_placements=p.placements)
-                 for name, p in experts.named_parameters(recurse=False)}
-        with _reparametrize_module(experts, local):
-            return forward(*args, **kwargs)
-
-    experts.forward = run
-
-
 def apply_expert_tensor_parallel(model: K3Model, mesh: DeviceMesh) -> None:
     """Splits every MoE layer's experts (this rank's home experts under expert parallelism) over
     the 1-D etp `mesh` and wraps its dispatcher (in place; after expert parallelism installed
@@ -104,5 +85,8 @@ def apply_expert_tensor_parallel(model: K3Model, mesh: DeviceMesh) -> None:
             experts.register_parameter(name, nn.Parameter(
                 distribute_tensor(param.data, mesh, [placement], src_data_rank=None),
                 requires_grad=param.requires_grad))
-        _run_on_local_slices(experts)
+        # The GEMMs take the local slices when they run (FSDP2, where it shards the experts
+        # over the expert-data ranks, has gathered them into the etp DTensors by then, also
+        # when activation checkpointing recomputes the layer); their gradients are the shards.
+        localise_when_run(experts, lambda p: p.placements[0])
         moe.dispatcher = ExpertTensorParallelDispatcher(moe.dispatcher, mesh.get_group())

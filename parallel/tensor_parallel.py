@@ -147,7 +147,7 @@ class SplitTokens(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_parameters(module, device_mesh, {}, keep_local=is_expert_parameter)
         module.forward = functools.partial(self._forward, module, module.forward, device_mesh)
-        _localise_when_run(module.router, _partial_sum)
+        localise_when_run(module.router, _partial_sum)
         return module
 
     def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x: DTensor,
@@ -178,7 +178,7 @@ def _local_parameters(module: nn.Module, grad_placement: Callable[[DTensor], Pla
             if isinstance(p, DTensor) and not name.startswith(skip)}
 
 
-def _localise_when_run(module: nn.Module,
+def localise_when_run(module: nn.Module,
                        grad_placement: Callable[[DTensor], Placement]) -> None:
     """`module` runs on its parameters' local tensors taken when it runs, not when its parent
     does: FSDP2 may gather it as a unit of its own (the router, kept fp32 under
