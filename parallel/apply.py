@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -180,6 +181,17 @@ class ParallelPlan:
             return t
         return _all_reduce(t.to(self.balancer_count_dtype), dist.ReduceOp.SUM, group).to(t.dtype)
 
+    def sync_gradients(self, last: bool) -> None:
+        """Before a micro-batch's backward (without the pipeline, whose schedule does this for
+        its stages): the replicas of modes none and optimizer reduce the gradients only after
+        the step's last micro-batch (DDP's no_sync: the same sum, sent once); FSDP2 reduces
+        each micro-batch's, whose whole gradients it would otherwise keep."""
+        if not self.data_parallel or self.topology.data_shard == "full":
+            return
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(last, recurse=False)
+
     def finish_gradients(self) -> None:
         """After backward: gradients for unreached parameters and, without data parallelism's
         reduction, the tensor-parallel partial sums completed. With plain data parallelism
@@ -269,7 +281,7 @@ def shard_experts(model: K3Model, topology, cfg) -> None:
                           moonep.transport, moonep.alignment)
 
 
-def _stage_costs(cfg) -> tuple[list[float], float]:
+def stage_costs(cfg) -> tuple[list[float], float]:
     """Each decoder layer's and the LM head's forward FLOPs per token: what stages balance."""
     return (layer_forward_flops_per_token(cfg.model, cfg.stage.seq_len),
             head_forward_flops_per_token(cfg.model))
@@ -284,7 +296,7 @@ def shard_stages(model: K3Model, topology, cfg) -> None:
     # large import for every process, most of which never pipeline.
     from .pipeline import prune_to_stages, rank_stages
 
-    prune_to_stages(model, *rank_stages(*_stage_costs(cfg), topology.pp, topology.rank_in("pp"),
+    prune_to_stages(model, *rank_stages(*stage_costs(cfg), topology.pp, topology.rank_in("pp"),
                                         topology.virtual_stages, topology.pipeline_schedule))
 
 
@@ -299,7 +311,7 @@ def _pipeline_step(model: K3Model, topology, cfg, mesh, device: torch.device,
     activations = None
     if topology.tp > 1:
         activations = (mesh["tp"], Shard(1) if topology.sequence_parallel else Replicate())
-    return PipelineStep(model, *_stage_costs(cfg), topology.group("pp"),
+    return PipelineStep(model, *stage_costs(cfg), topology.group("pp"),
                         topology.pipeline_schedule, topology.virtual_stages, micro_batches,
                         (cfg.stage.micro_batch_size * pieces,
                          cfg.stage.seq_len // (topology.cp * pieces)), device,

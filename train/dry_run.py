@@ -19,6 +19,8 @@ parallel plans, MoonEP dispatch and optimizers. What it measures goes to
                                       input, send's and recv's tensor); collective_calls: how
                                       many calls
     planned_memory_bytes              k3-plan's memory per GPU for the same layout
+    planned_collective_bytes          k3-plan's bytes per op for a rank of this rank's
+                                      pipeline stage (train/collective_sizing.py)
 
 The step runs on the CPU's fake tensors in the dtypes the target device would use: a run meant
 for GPUs (device auto or cuda) computes under bf16 autocast as precision=auto does there
@@ -73,13 +75,16 @@ def _gpu_sized_tiles():
 
 
 def _flash_attention_forward(q, k, v, q_segments, k_segments, scale, causal, q_offset):
-    """A flash attention kernel's outputs, as much device memory as it makes: o [B, H, T, Dv],
-    the rows' logsumexp and maxima [B, H, T]; its score tiles live in on-chip memory. Fake
-    tensors only (declines real ones: their values would be unset)."""
+    """A flash attention kernel's outputs, as much device memory as it makes: o [B, H, T, Dv]
+    in fp32 (the attention output K3 keeps), the rows' logsumexp and maxima [B, H, T]; its
+    score tiles live in on-chip memory. Fake tensors only (declines real ones: their values
+    would be unset)."""
     if not isinstance(q, FakeTensor):
         return None
     B, H, T, _ = q.shape
-    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T), q.new_empty(B, H, T)
+    fp32 = dict(dtype=torch.float32)
+    return (q.new_empty(B, H, T, v.shape[-1], **fp32), q.new_empty(B, H, T, **fp32),
+            q.new_empty(B, H, T, **fp32))
 
 
 def _flash_attention_backward(q, k, v, q_segments, k_segments, o, lse, grad_o, scale, causal,
@@ -282,13 +287,13 @@ def run_dry(cfg: TrainConfig) -> int:
     from .sizing import plan
 
     world, rank = cfg.dry_run.world_size, cfg.dry_run.rank
-    planned = plan(cfg, world_size=world)
     run_cfg = dry_run_config(cfg)
     validate_train_config(run_cfg, world, data=False)
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     topology = Topology.from_config(run_cfg.parallel, world, run_cfg.model).initialize("cpu")
     try:
+        planned = plan(cfg, world_size=world, pp_rank=topology.rank_in("pp"))
         with _gpu_sized_tiles():
             kernels = {**GPU_KERNEL_SHAPES, **(FUSED_KERNEL_SHAPES if cfg.fused_kernels else {})}
             measured = measure_step(run_cfg, topology,
@@ -304,13 +309,16 @@ def run_dry(cfg: TrainConfig) -> int:
               "collective_bytes": measured.collective_bytes,
               "collective_calls": measured.collective_calls,
               "planned_memory_bytes": round(planned["memory_per_gpu"]["total_gib"] * 2**30),
+              "planned_collective_bytes": planned["collective_bytes"],
               "seconds": round(time.perf_counter() - started, 1)}
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "dry_run.json").write_text(json.dumps(result, indent=2) + "\n")
+    planned_bytes = result["planned_collective_bytes"]
     log.info("dry run of rank %d of %d: peak %.2f GiB (planned %.2f GiB), %s; wrote %s", rank,
              world, result["peak_memory_bytes"] / 2**30, result["planned_memory_bytes"] / 2**30,
-             ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in result["collective_bytes"].items()),
+             ", ".join(f"{k} {v / 2**30:.2f} GiB (planned {planned_bytes.get(k, 0) / 2**30:.2f})"
+                       for k, v in result["collective_bytes"].items()),
              run_dir / "dry_run.json")
     return 0
 

@@ -114,7 +114,8 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
                                           precision.autocast)
         return parallel.sum_loss_tokens(parallel.sum_over_stages(loss))
     loss_sum = torch.zeros((), device=device)
-    for mb in micro_batches:
+    for i, mb in enumerate(micro_batches):
+        parallel.sync_gradients(last=i == len(micro_batches) - 1)
         with parallel.loss_context():
             with precision.autocast():
                 out = model(mb.to(device))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections import defaultdict
 
 import hydra
 import torch
@@ -33,12 +32,12 @@ from model.config import K3Config
 from model.errors import ConfigError
 from model.k3 import K3Model
 from model.params import count_parameters
-from parallel.apply import qb_count_dtype
 from parallel.moonep.traffic import moe_layer_traffic, symm_mem_rows
 from parallel.pipeline import crossing_blocks
 from parallel.topology import Topology, expert_tensor_size
 
 from .cli import CONFIG_DIR, hydra_exit_codes, prepare_tool_argv, register_configs, to_train_config
+from .collective_sizing import data_parallel_bytes, stage_model, step_collective_bytes
 from .flops import forward_flops_per_token, training_flops_per_token
 from .saved_activations import checkpointed_inputs_bytes, traced_head_bytes, traced_layer_bytes
 
@@ -252,68 +251,6 @@ def memory_per_gpu(cfg: K3Config, counts, layout: Topology, optimizer: str, seq_
             "total_gib": total / GiB}
 
 
-def data_parallel_bytes(model: K3Model, layout: Topology, tokens_per_step: int = 0,
-                        gather_bytes: int = 4) -> dict[str, int]:
-    """Bytes one rank passes to each data-parallel collective per optimizer step (the buffer of
-    every call: all_reduce's and broadcast's tensor, all_gather's output, reduce_scatter's
-    input; fp32 parameters and gradients), for a rank holding the root parameters (embedding,
-    LM head, vision). `model`: the built (meta-device) model; `gather_bytes`: gathered_bytes
-    of the run. Each group of parameters reduced over its own ranks adds its terms: the dense
-    ones (and the experts with them when they are whole on every rank) over the dp x cp ranks,
-    the experts under expert or expert tensor parallelism over their expert-data ranks, as
-    units of their own. With N a group's parameters on this rank, N_root those of the root
-    unit, N_gathered those FSDP2 gathers in g = gather_bytes (all but the root's and the
-    routers'; N_gathered = 0 when g = 4) and S its shard ranks within a replica:
-
-        none        all_reduce 4N
-        optimizer   all_reduce 4N; broadcast 4N (owners send updated parameters within a
-                    replica, when S > 1)
-        full        all_gather G + G - 4 N_root, G = 4N - (4 - g) N_gathered (non-root units
-                    gather again in backward); reduce_scatter 4N (both when S > 1); HSDP adds
-                    all_reduce 4N / S
-        QB counts   every MoE layer's statistics ([E, bins + 1]), one all_reduce, in int32 below
-                    2**31 tokens a step (parallel.apply.qb_count_dtype)
-
-    The loss-token count, gradient norms and max logits add a few hundred bytes to all_reduce;
-    tensor-parallel traffic is not data-parallel and not counted here."""
-    if layout.dp * layout.cp == 1:
-        return {}
-    sizes = {name: p.numel() for name, p in model.named_parameters()}
-    counts = count_parameters(model)
-    routed = counts.routed_experts
-    experts = routed / (layout.ep * layout.etp * layout.pp)
-    dense = (counts.total - routed) / (layout.tp * layout.pp)
-    root = sum(n for name, n in sizes.items() if not name.startswith("layers.")) / layout.tp
-    routers = sum(n for name, n in sizes.items() if ".router." in name) / (layout.tp * layout.pp)
-    # (parameters, ranks, shard ranks within a replica, root, routers) of each group
-    dense_shards = layout.dp_shard * layout.cp
-    if layout.ep * layout.etp > 1:
-        groups = [(dense, layout.dp * layout.cp, dense_shards, root, routers),
-                  (experts, layout.edp, layout.edp // layout.dp_replicate, 0, 0)]
-    else:
-        groups = [(dense + experts, layout.dp * layout.cp, dense_shards, root, routers)]
-    out: dict[str, float] = defaultdict(float)
-    for n, ranks, shards, n_root, n_routers in groups:
-        if ranks == 1:
-            continue
-        if layout.data_shard == "full":
-            if shards > 1:  # FSDP2 neither gathers nor reduce-scatters over one shard rank
-                gathered = (4 - gather_bytes) * (n - n_root - n_routers)  # a narrower gather
-                out["all_gather"] += 2 * (4 * n - gathered) - 4 * n_root
-                out["reduce_scatter"] += 4 * n
-            if layout.dp_replicate > 1:
-                out["all_reduce"] += 4 * n / shards
-            continue
-        out["all_reduce"] += 4 * n
-        if layout.data_shard == "optimizer" and shards > 1:
-            out["broadcast"] += 4 * n
-    dtype = qb_count_dtype(tokens_per_step)
-    out[f"QB counts ({str(dtype).removeprefix('torch.')})"] = dtype.itemsize * sum(
-        moe.balancer.local_statistics().numel() for moe in model.moe_layers()
-        if moe.balancer is not None)
-    return {k: round(v) for k, v in out.items()}
-
-
 LONG_CONTEXT = (8192, 65536, 262144, 1048576)  # K3's context stages
 H200_BYTES = 141e9  # HBM3e of one H200 (141 GB = 131.3 GiB)
 RESERVE = 0.10  # CUDA context, NCCL buffers, allocator fragmentation
@@ -333,7 +270,9 @@ def long_context_memory(cfg: K3Config, counts, layout: Topology, optimizer: str,
     return rows
 
 
-def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict:
+def plan(cfg, long_context: bool = False, world_size: int | None = None,
+         pp_rank: int = 0) -> dict:
+    """k3-plan's figures; the per-step traffic for a rank of pipeline rank `pp_rank`."""
     with torch.device("meta"):
         model = K3Model(cfg.model)
     counts = count_parameters(model)
@@ -341,6 +280,9 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict
     seq = cfg.stage.seq_len
     weight_bytes = held_weight_bytes(cfg.precision.name, layout.data_shard,
                                      cfg.parallel.fsdp_param_dtype)
+    gather = gathered_bytes(cfg.precision.name, layout.data_shard, cfg.parallel.fsdp_param_dtype)
+    micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * layout.dp)
+    collectives = step_collective_bytes(cfg, layout, pp_rank, gather)
     return {
         "model": cfg.model.name,
         "parameters": counts.as_dict(),
@@ -352,12 +294,13 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None) -> dict
                                          cfg.stage.micro_batch_size,
                                          cfg.activation_checkpointing,
                                          weight_bytes=weight_bytes,
-                                         micro_batches=cfg.stage.global_batch_size
-                                         // (cfg.stage.micro_batch_size * layout.dp)),
+                                         micro_batches=micro_batches),
         "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
         "data_parallel_bytes": data_parallel_bytes(
-            model, layout, cfg.stage.global_batch_size * seq,
-            gathered_bytes(cfg.precision.name, layout.data_shard, cfg.parallel.fsdp_param_dtype)),
+            stage_model(cfg, layout, pp_rank)[0], layout, cfg.stage.global_batch_size * seq,
+            gather, micro_batches),
+        "collective_bytes": collectives["total"],
+        "collective_bytes_by_source": collectives["terms"],
         **({"long_context": long_context_memory(cfg.model, counts, layout, cfg.optim.name,
                                                 cfg.stage.micro_batch_size,
                                                 cfg.activation_checkpointing, weight_bytes)}

@@ -96,12 +96,13 @@ def segment_attention(
         if seqlens is None:
             raise ValueError("backend='segments' needs seqlens, the segment lengths")
         o = _grouped_segments(q, k, v, seqlens, scale, causal)
+    elif backend == "blockwise":  # in the inputs' dtype: each tile is upcast where it is used
+        o, max_logit = _BlockwiseAttention.apply(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                 *_row_segments(segments), scale, causal, 0)
+        o = o.transpose(1, 2)
     else:
         qh, kh, vh = (upcast(x).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
-        if backend == "blockwise":
-            o, max_logit = _BlockwiseAttention.apply(qh, kh, vh, *_row_segments(segments),
-                                                     scale, causal, 0)
-        elif backend == "reference":
+        if backend == "reference":
             allowed = dense_mask(segments, B, T, causal, q.device)
             o, max_logit = _reference(qh, kh, vh, allowed, scale)
         else:
@@ -146,13 +147,14 @@ def offset_doc_causal_attention(
     if not 0 <= q_offset <= Tk - Tq:
         raise ValueError(f"q_offset={q_offset} is invalid: the queries must lie within the "
                          f"{Tk} keys")
-    qh, kh, vh = (upcast(x).transpose(1, 2) for x in (q, k, v))
     if backend == "reference":
         allowed = (q_segments[:, None, :, None] == k_segments[:, None, None, :]) & torch.ones(
             Tq, Tk, dtype=torch.bool, device=q.device).tril(q_offset)
-        o, max_logit = _reference(qh, kh, vh, allowed, scale)
-    else:
-        o, max_logit = _BlockwiseAttention.apply(qh, kh, vh,
+        o, max_logit = _reference(*(upcast(x).transpose(1, 2) for x in (q, k, v)), allowed,
+                                  scale)
+    else:  # the gathered keys stay in their dtype (an fp32 copy of a long row's K and V is
+        # the largest tensor of a context-parallel layer): each tile is upcast where used
+        o, max_logit = _BlockwiseAttention.apply(*(x.transpose(1, 2) for x in (q, k, v)),
                                                  *_row_segments(q_segments, k_segments),
                                                  scale, True, q_offset)
     o = o.transpose(1, 2)
@@ -296,7 +298,7 @@ def _masked_scores(q_tile, k, q_segments, k_segments, q_start, k_start, k_end, c
     -inf where the key is in another segment or (causal) after the query. `q_segments` [B, Tq]
     and `k_segments` [B, Tk] are fp32 segment ids (_row_segments: exact while T <= 2^24);
     query row i is key position q_offset + i."""
-    scores = q_tile @ k[:, :, k_start:k_end].transpose(-1, -2)
+    scores = q_tile @ upcast(k[:, :, k_start:k_end]).transpose(-1, -2)
     q_end = q_start + q_tile.shape[-2]
     bias = None
     if q_segments is not None:
@@ -333,10 +335,10 @@ class _BlockwiseAttention(torch.autograd.Function):
                                                 row_max)
         B, H, T, _ = q.shape
         Tk = k.shape[-2]
-        q_scaled = q * scale
-        o = q.new_empty(B, H, T, v.shape[-1])
-        lse = q.new_empty(B, H, T)
-        row_max = q.new_empty(B, H, T)
+        q_scaled = upcast(q) * scale
+        o = q_scaled.new_empty(B, H, T, v.shape[-1])
+        lse = q_scaled.new_empty(B, H, T)
+        row_max = q_scaled.new_empty(B, H, T)
         rows, keys = _tile_shape(B * H)
         for q_start, q_end in _query_blocks(T, rows):
             q_tile = q_scaled[:, :, q_start:q_end]
@@ -353,7 +355,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 p = exp_(scores.sub_(shift.unsqueeze(-1)))  # in place: one tile buffer
                 rescale = torch.exp(m - shift)
                 denom = denom * rescale + p.sum(dim=-1)
-                acc = acc * rescale.unsqueeze(-1) + p @ v[:, :, k_start:k_end]
+                acc = acc * rescale.unsqueeze(-1) + p @ upcast(v[:, :, k_start:k_end])
                 m = m_new
             o[:, :, q_start:q_end] = acc / denom.unsqueeze(-1)
             lse[:, :, q_start:q_end] = m + denom.log()
@@ -379,10 +381,10 @@ class _BlockwiseAttention(torch.autograd.Function):
         if grads:  # None where no kernel takes the inputs
             return *grads, None, None, None, None, None
         T, Tk = q.shape[-2], k.shape[-2]
-        q_scaled = q * scale
+        q_scaled = upcast(q) * scale
         grad_o = grad_o.contiguous()
         delta = (grad_o * o).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = (torch.zeros_like(x, dtype=o.dtype) for x in (q, k, v))
         rows, key_count = _tile_shape(q.shape[0] * q.shape[1])
         for q_start, q_end in _query_blocks(T, rows):
             q_tile = q_scaled[:, :, q_start:q_end]
@@ -396,10 +398,11 @@ class _BlockwiseAttention(torch.autograd.Function):
                                         k_end, causal, q_offset)
                 p = exp_(scores.sub_(lse_tile))
                 dv[:, :, keys].add_(p.transpose(-1, -2) @ do_tile)
-                ds = (do_tile @ v[:, :, keys].transpose(-1, -2)).sub_(delta_tile).mul_(p)
-                dq_tile.add_(ds @ k[:, :, keys])
+                ds = (do_tile @ upcast(v[:, :, keys]).transpose(-1, -2)).sub_(delta_tile).mul_(p)
+                dq_tile.add_(ds @ upcast(k[:, :, keys]))
                 dk[:, :, keys].add_(ds.transpose(-1, -2) @ q_tile)
-        return dq * scale, dk, dv, None, None, None, None, None
+        return ((dq * scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None, None, None, None, None)
 
 
 @torch.no_grad()

@@ -37,7 +37,8 @@ TOL = 1e-9  # float64 layouts against one process (measured: see the module docs
 # 3.4e-9 and its worst gradient tensor 2.4e-6; 1e-5 is 4x the worst.
 FP32_TOL = 1e-5
 OPTIMIZERS = ("adamw", "muon")
-WORLD_2 = {"dp2": dict(data=2), "tp2": dict(tensor=2, sequence_parallel=False)}
+WORLD_2 = {"dp2": dict(data=2), "dp2_optimizer": dict(data=2, data_shard="optimizer"),
+           "tp2": dict(tensor=2, sequence_parallel=False)}
 WORLD_4 = {"dp4_optimizer": dict(data=4, data_shard="optimizer"),
            "dp4_full": dict(data=4, data_shard="full"),
            "tp2_dp2_sp": dict(tensor=2, data=2, sequence_parallel=True),
@@ -48,6 +49,9 @@ WORLD_4 = {"dp4_optimizer": dict(data=4, data_shard="optimizer"),
 FP32_CASE = ("tp2_dp2_sp", "adamw")  # compared in fp32 as well (losses and gradients)
 # AdamW alone runs on these; Muon on every layout.
 ADAMW_TOO = {"dp2", "tp2", "dp4_optimizer", "tp2_dp2_sp"}
+# Accumulated micro-batches per rank: the replicas reduce only the last one's backward (the
+# sum of both), as DDP's no_sync.
+MICRO_BATCHES = {"dp2": 2, "dp2_optimizer": 2}
 
 
 def _optimizers(name: str) -> tuple[str, ...]:
@@ -66,9 +70,9 @@ def references(tmp_path_factory):
     return path
 
 
-def _run_layout(cfg, world: int):
+def _run_layout(cfg, world: int, micro_batches: int = 1):
     topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
-    got = run_steps(cfg, topology)
+    got = run_steps(cfg, topology, micro_batches=micro_batches)
     topology.destroy()
     return got
 
@@ -78,7 +82,8 @@ def _layouts_world(rank: int, world: int, layouts: dict, refs_path: str) -> dict
     errors = {}
     for name, parallel in layouts.items():
         for optim in _optimizers(name):
-            got = _run_layout(layout(tiny_config(optim, "fp64"), **parallel), world)
+            got = _run_layout(layout(tiny_config(optim, "fp64"), **parallel), world,
+                              MICRO_BATCHES.get(name, 1))
             errors[f"{name}/{optim}"] = compare(refs[optim], got)
     name, optim = FP32_CASE
     if name in layouts:
