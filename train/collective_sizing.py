@@ -52,7 +52,6 @@ FSDP2's padding of dim 0 to its shards is left out too.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -104,7 +103,7 @@ def _layer_kinds(model: K3Model) -> dict[str, int]:
 def tensor_parallel_sharded(model: K3Model) -> set[str]:
     """Names of the parameters the tensor-parallel plan shards (the rest are replicated on its
     ranks, the experts aside: they follow the expert layouts)."""
-    sharded = {name for name in ("embed.weight", "head.output.weight")}
+    sharded = {"embed.weight", "head.output.weight"}
     for index, layer in model.layers.items():
         plans = [("attn", kda_shards() if isinstance(layer.attn, KimiDeltaAttention)
                   else mla_shards())]
@@ -134,7 +133,7 @@ def _replicated_partial(model: K3Model, sequence_parallel: bool) -> tuple[int, i
     return total, routers
 
 
-def _tensor_parallel(out, model, layout, kinds, s, reductions_of_grads: int) -> None:
+def _tensor_parallel(out, model, layout, kinds, s) -> None:
     tp = layout.tp
     if tp == 1:
         return
@@ -170,10 +169,10 @@ def _tensor_parallel(out, model, layout, kinds, s, reductions_of_grads: int) -> 
     # reducing them in fp32); the pipeline and the other modes the step's accumulated ones.
     partial, routers = _replicated_partial(model, layout.sequence_parallel)
     if s["per_micro_batch"]:
-        nbytes = s["gather_bytes"] * (partial - routers) + max(s["a"], FP32) * routers
+        _add(out, term, "all_reduce", mb * (s["gather_bytes"] * (partial - routers)
+                                            + max(s["a"], FP32) * routers))
     else:
-        nbytes = max(s["a"], FP32) * partial
-    _add(out, term, "all_reduce", reductions_of_grads * nbytes)
+        _add(out, term, "all_reduce", max(s["a"], FP32) * partial)
 
 
 def _experts(out, cfg, layout, kinds, s) -> None:
@@ -359,7 +358,6 @@ def step_collective_bytes(cfg, layout: Topology, pp_rank: int, gather_bytes: int
     """{"total": {op: bytes}, "terms": {source: {op: bytes}}} of one optimizer step on a rank
     of pipeline rank `pp_rank` (module docstring). `cfg`: the TrainConfig; `gather_bytes`: the
     bytes per element FSDP2 gathers the layers in (sizing.gathered_bytes)."""
-
     model, splits, ids = stage_model(cfg, layout, pp_rank)
     kinds = _layer_kinds(model)
     rows, seq = cfg.stage.micro_batch_size, cfg.stage.seq_len
@@ -370,19 +368,18 @@ def step_collective_bytes(cfg, layout: Topology, pp_rank: int, gather_bytes: int
          "hidden": cfg.model.hidden_size, "a": a,
          "activation": tokens * cfg.model.hidden_size * a,
          "rc": 1 if cfg.activation_checkpointing else 0,
-         "micro_batches": cfg.stage.global_batch_size // (rows * layout.dp)}
+         "micro_batches": cfg.stage.global_batch_size // (rows * layout.dp),
+         # FSDP2 reduces the gradients of each micro-batch unless the pipeline's schedule
+         # holds them back to the last one (replicas reduce after the last anyway).
+         "per_micro_batch": (layout.pp == 1 and layout.dp * layout.cp > 1
+                             and layout.data_shard == "full"),
+         "gather_bytes": gather_bytes}
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    # FSDP2 reduces the gradients of each micro-batch unless the pipeline's schedule holds
-    # them back to the last one (replicas reduce after the last anyway).
-    per_micro_batch = (layout.pp == 1 and layout.dp * layout.cp > 1
-                       and layout.data_shard == "full")
-    reductions = s["micro_batches"] if per_micro_batch else 1
-    s.update(per_micro_batch=per_micro_batch, gather_bytes=gather_bytes)
     for op, nbytes in data_parallel_bytes(model, layout, cfg.stage.global_batch_size * seq,
                                           gather_bytes, s["micro_batches"]).items():
         _add(out, "Quantile Balancing" if op.startswith("QB") else "data parallel",
              "all_reduce" if op.startswith("QB") else op, nbytes)
-    _tensor_parallel(out, model, layout, kinds, s, reductions)
+    _tensor_parallel(out, model, layout, kinds, s)
     _experts(out, cfg, layout, kinds, s)
     _context_parallel(out, cfg, layout, kinds, s)
     _pipeline(out, cfg, layout, splits, ids, s)
@@ -395,14 +392,3 @@ def step_collective_bytes(cfg, layout: Topology, pp_rank: int, gather_bytes: int
             total[op] += n
     return {"total": dict(sorted(total.items())), "terms": terms}
 
-
-def within(measured: dict[str, int], planned: dict[str, int], tolerance: float) -> dict:
-    """{op: measured / planned} of the ops outside 1 +- tolerance (either side missing: inf or
-    0)."""
-    off = {}
-    for op in set(measured) | set(planned):
-        m, p = measured.get(op, 0), planned.get(op, 0)
-        ratio = m / p if p else (math.inf if m else 1.0)
-        if abs(ratio - 1) > tolerance:
-            off[op] = ratio
-    return off

@@ -352,6 +352,9 @@ def format_plan(p: dict) -> str:
     dp_bytes = p["data_parallel_bytes"]
     lines.append("  data-parallel     per step and rank: " + (", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in dp_bytes.items()) or "none (one data rank)"))
+    lines.append("  collectives       per step and rank (first pipeline stage): " + (", ".join(
+        f"{k} {v / 2**30:.2f} GiB" for k, v in p["collective_bytes"].items()) or "none")
+        + "; by source with --json")
     for row in p.get("long_context", []):
         lines.append(f"  at {row['seq_len']:>8} tokens  {row['total_gib']:7.1f} GiB per GPU "
                      f"(activations {row['activations_gib']:.1f}): "
