@@ -152,9 +152,16 @@ class LMHead(nn.Module):
     def forward(self, sources: list[torch.Tensor], labels: torch.Tensor,
                 return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (loss_sum fp32, fp32 logits [..., V] if return_logits else None)."""
-        h = self.norm(self.out_mix(sources))
         if return_logits or self.chunk_tokens == 0:
-            logits = self.output(h)
-            logits = logits.to(loss_dtype(logits.dtype))
+            logits = self.logits(sources)
             return full_logits_loss(logits, labels), logits if return_logits else None
-        return chunked_linear_cross_entropy(h, self.output.weight, labels, self.chunk_tokens), None
+        return chunked_linear_cross_entropy(self._hidden(sources), self.output.weight, labels,
+                                            self.chunk_tokens), None
+
+    def logits(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """fp32 (float64 in a float64 model) logits [..., V]."""
+        logits = self.output(self._hidden(sources))
+        return logits.to(loss_dtype(logits.dtype))
+
+    def _hidden(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        return self.norm(self.out_mix(sources))

@@ -3,22 +3,24 @@ Attention Residuals and latent MoE, untied embedding and LM head, no positional 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .attnres import BlockState, DepthMix
-from .batch import K3Batch, segment_ids
+from .batch import K3Batch, VisionInput, segment_ids
+from .cache import CacheSnapshot, DecodeCache, KDACache, MLACache
 from .config import K3Config
+from .decode import DecodeStep, Lengths, check_inputs, check_layers, extend, piece
 from .dtypes import autocast_dtype
 from .head import IGNORE_INDEX, LMHead
 from .init import Locate, Normal, Rule, fill_, parameter_key, random_seed
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .mlp import SiTUGLUMLP
-from .moe import LatentMoE
+from .moe import LatentMoE, QuantileBalancer, statistics_paused
 from .norms import RMSNorm
 from .vision import MoonViT
 
@@ -53,10 +55,23 @@ class DecoderLayer(nn.Module):
                 token_mask: torch.Tensor) -> torch.Tensor:
         """blocks: the completed AttnRes blocks (the embedding first); partial: the current
         block's running sum (None right after a block completed). Returns the new partial."""
+        out = self.attn(self._attention_input(blocks, partial), cu_seqlens, segments)
+        return self._with_mlp(blocks, partial, out, token_mask)
+
+    def decode(self, blocks: Sequence[torch.Tensor], partial: torch.Tensor | None,
+               cache: KDACache | MLACache, step: DecodeStep) -> torch.Tensor:
+        """forward for the positions of one decode call, the attention continuing `cache`."""
+        out = self.attn.decode(self._attention_input(blocks, partial), cache, step)
+        return self._with_mlp(blocks, partial, out, step.token_mask())
+
+    def _attention_input(self, blocks, partial) -> torch.Tensor:
         sources = [*blocks] if partial is None else [*blocks, partial]
         h = sources[-1] if self.attn_mix is None else self.attn_mix(sources)
-        out = self.attn(self.attn_norm(h), cu_seqlens, segments)
-        partial = out if partial is None else partial + out
+        return self.attn_norm(h)
+
+    def _with_mlp(self, blocks, partial, attn_out, token_mask) -> torch.Tensor:
+        """The new partial: the attention's output and the MLP's on its mix added."""
+        partial = attn_out if partial is None else partial + attn_out
         h = self.mlp_norm(self.mlp_mix([*blocks, partial]))
         if isinstance(self.mlp, LatentMoE):
             b, t, d = h.shape
@@ -142,14 +157,17 @@ class K3Model(nn.Module):
 
     def embed_inputs(self, batch: K3Batch) -> torch.Tensor:
         """Token embeddings with the projected vision tokens written over the placeholders."""
-        x = embedded_in_compute_dtype(self.embed(batch.tokens))
-        if batch.vision is None or self.vision is None:
+        return self.embed_tokens(batch.tokens, batch.vision)
+
+    def embed_tokens(self, tokens: torch.Tensor, vision: VisionInput | None) -> torch.Tensor:
+        x = embedded_in_compute_dtype(self.embed(tokens))
+        if vision is None or self.vision is None:
             return x
         b, t, d = x.shape
-        vis = self.vision(batch.vision.patches, batch.vision.grid_thw).to(x.dtype)
-        if batch.vision.output_rows is not None:
-            vis = vis.index_select(0, batch.vision.output_rows)
-        flat = x.reshape(b * t, d).index_copy(0, batch.vision.token_positions, vis)
+        vis = self.vision(vision.patches, vision.grid_thw).to(x.dtype)
+        if vision.output_rows is not None:
+            vis = vis.index_select(0, vision.output_rows)
+        flat = x.reshape(b * t, d).index_copy(0, vision.token_positions, vis)
         return flat.view(b, t, d)
 
     def run_layers(self, state: BlockState, batch: K3Batch,
@@ -160,10 +178,16 @@ class K3Model(nn.Module):
         cu = batch.cu_seqlens
         segments = segment_ids(cu, b * t).view(b, t) if cu is not None else None
         token_mask = batch.tokens != self.cfg.pad_token_id
+        self._each_layer(state, layers, lambda layer, blocks, partial: layer(
+            blocks, partial, cu, segments, token_mask))
+
+    def _each_layer(self, state: BlockState, layers: Sequence[DecoderLayer] | None,
+                    run: Callable[[DecoderLayer, tuple, torch.Tensor | None], torch.Tensor]
+                    ) -> None:
         for layer in self.layers.values() if layers is None else layers:
             state.start_layer(layer.index)
             # A tuple snapshot: a checkpointed layer recomputes from the blocks it was given.
-            state.partial = layer(tuple(state.blocks), state.partial, cu, segments, token_mask)
+            state.partial = run(layer, tuple(state.blocks), state.partial)
 
     def forward(self, batch: K3Batch, return_logits: bool = False) -> K3Output:
         state = BlockState(self.embed_inputs(batch), self.cfg.attnres_block_size)
@@ -171,6 +195,79 @@ class K3Model(nn.Module):
         loss_sum, logits = self.head(state.sources(), batch.labels, return_logits)
         num_tokens = (batch.labels != IGNORE_INDEX).sum()
         return K3Output(loss_sum, num_tokens, logits)
+
+    def new_cache(self, batch_size: int,
+                  from_snapshot: CacheSnapshot | None = None) -> DecodeCache:
+        """An empty decode cache for `batch_size` rows, or a copy of a snapshot's contents (a
+        1-row snapshot fills every row). docs/model.md, "Decoding"."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} is invalid: must be an int >= 1")
+        if from_snapshot is not None:
+            if not isinstance(from_snapshot, CacheSnapshot):
+                raise TypeError(f"from_snapshot must be a CacheSnapshot (cache.snapshot()), got "
+                                f"{type(from_snapshot).__name__}")
+            check_layers(self, from_snapshot.cache, "from_snapshot")
+            if from_snapshot.batch_size not in (1, batch_size):
+                raise ValueError(f"batch_size={batch_size} does not match from_snapshot's "
+                                 f"{from_snapshot.batch_size} rows (a 1-row snapshot fills any "
+                                 f"batch)")
+            return from_snapshot.cache.copied(batch_size)
+        rows = torch.zeros(batch_size, dtype=torch.long, device=self.embed.weight.device)
+        layers = {i: layer.attn.new_cache(batch_size) for i, layer in self.layers.items()}
+        return DecodeCache(layers, rows, rows.clone(), rows.new_empty(batch_size, 0),
+                           self.cfg.max_seq_len)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: DecodeCache,
+               lengths: Lengths = None, cu_seqlens: torch.Tensor | None = None,
+               vision: VisionInput | None = None) -> torch.Tensor:
+        """fp32 (float64 in a float64 model) logits [B, t, V] of tokens [B, t] after what
+        `cache` holds, which then holds these positions too. t > 1 is a prefill. lengths [B]:
+        each row's tokens, the rest of its t positions padding (default: all t); cu_seqlens:
+        documents over the B*t positions as in K3Batch, the first of each row continuing its
+        cached one; vision: the prompt's images as in K3Batch. Quantile Balancing routes with
+        its bias as it is and gathers no statistics. docs/model.md, "Decoding"."""
+        check_inputs(self, tokens, cache, lengths, cu_seqlens, vision)
+        with statistics_paused(self.balancers()):
+            return self._decode_embedded(self.embed_tokens(tokens, vision), cache, lengths,
+                                         cu_seqlens)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, cache: DecodeCache, snapshot_every: int,
+                lengths: Lengths = None, cu_seqlens: torch.Tensor | None = None,
+                vision: VisionInput | None = None
+                ) -> tuple[torch.Tensor, list[CacheSnapshot]]:
+        """`decode`, also returning a snapshot of the cache after every `snapshot_every`
+        positions (each as `decode` of exactly those positions would leave it), so that a
+        prompt sharing a prefix resumes without recomputing it. The call runs as pieces of
+        `snapshot_every` positions, the vision tower once."""
+        if not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"snapshot_every={snapshot_every!r} is invalid: must be an int >= 1")
+        check_inputs(self, tokens, cache, lengths, cu_seqlens, vision)
+        B, t = tokens.shape
+        logits, snapshots = [], []
+        with statistics_paused(self.balancers()):
+            x = self.embed_tokens(tokens, vision)
+            for start in range(0, t, snapshot_every):
+                stop = min(start + snapshot_every, t)
+                logits.append(self._decode_embedded(
+                    x[:, start:stop], cache, *piece(lengths, cu_seqlens, B, t, start, stop)))
+                if stop - start == snapshot_every:
+                    snapshots.append(cache.snapshot())
+        return torch.cat(logits, dim=1), snapshots
+
+    def _decode_embedded(self, x: torch.Tensor, cache: DecodeCache, lengths: Lengths,
+                         cu_seqlens: torch.Tensor | None,
+                         fresh: torch.Tensor | None = None) -> torch.Tensor:
+        width = self.cfg.kda.conv_kernel - 1
+        step = extend(cache, x.shape[1], lengths, cu_seqlens, width, fresh)
+        state = BlockState(x, self.cfg.attnres_block_size)
+        self._each_layer(state, None, lambda layer, blocks, partial: layer.decode(
+            blocks, partial, cache.layers[str(layer.index)], step))
+        return self.head.logits(state.sources())
+
+    def balancers(self) -> list[QuantileBalancer]:
+        return [moe.balancer for moe in self.moe_layers() if moe.balancer is not None]
 
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, LatentMoE)]

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import KDACache
 from .config import K3Config
-from .dtypes import upcast
+from .dtypes import compute_dtype, upcast
 from .init import ONES, ZEROS, Mapped, Rule, reset_
 from .norms import rms_norm
 from .ops import dispatch
-from .ops.kda import kda_chunk
+from .ops.kda import kda_chunk, kda_recurrent
 from .short_conv import ShortConv
+
+if TYPE_CHECKING:
+    from .decode import DecodeStep
 
 
 def kda_gate(z: torch.Tensor, a_log: torch.Tensor, kind: str, lower_bound: float) -> torch.Tensor:
@@ -109,35 +114,90 @@ class KimiDeltaAttention(nn.Module):
     # one); on CUDA it is fla's Triton kernel.
     # Its element-wise kernels compile with fused_kernels=true instead (model/ops/fused.py).
     chunk_op = staticmethod(kda_chunk)
+    # The single-token form decoding uses (the recurrence's one step).
+    step_op = staticmethod(kda_recurrent)
+    cache_type = KDACache
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 segments: torch.Tensor | None) -> torch.Tensor:
         """x [B, T, d]; cu_seqlens over the flattened B*T tokens and segments [B, T] the document
         id of each position (both None: one document per row)."""
-        b, t, _ = x.shape
-        hd = self.head_dim
-        heads = (b, t, -1, hd)
-        q = self.q_conv(self.q_proj(x), segments).view(heads)
-        k = self.k_conv(self.k_proj(x), segments).view(heads)
-        v = self.v_conv(self.v_proj(x), segments).view(heads)
-        z = (self.decay_up(self.decay_down(x)) + self.decay_bias).view(heads)
-        q, k, beta, g = kda_inputs(q, k, self.beta_proj(x), z, self.a_log, self.gate_kind,
-                                   self.lower_bound)
-        # Only the K3 gate has a bound (fla's safe-gate kernel, the torch path's dense sub-tiles).
-        bound = self.lower_bound if self.gate_kind == "lower_bound" else None
-        kda = functools.partial(self.chunk_op, chunk_size=self.chunk_size,
-                                backend=self.backend, lower_bound=bound)
+        q, k, v = (conv(proj(x), segments) for proj, conv in self._convolutions())
+        q, k, v, g, beta = self._recurrence_inputs(x, q, k, v)
+        kda = self._chunk_form()
         if cu_seqlens is not None:  # all rows as one packed sequence with document boundaries
-            flat = (1, b * t, -1, hd)
-            packed = (q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
-                      beta.reshape(1, b * t, -1))
+            packed = self._packed(q, k, v, g, beta)
             if self.state_exchange is None:  # every row starts a document (K3Batch)
-                o, _ = kda(*packed, cu_seqlens=cu_seqlens, rows=b)
+                o, _ = kda(*packed, cu_seqlens=cu_seqlens, rows=x.shape[0])
             else:
                 o = self.state_exchange(kda, *packed, cu_seqlens)
-            o = o.view(heads)
+            o = o.view(v.shape)
         else:
             o, _ = kda(q, k, v, g, beta)
+        return self._output(o, x)
+
+    def decode(self, x: torch.Tensor, cache: KDACache, step: DecodeStep) -> torch.Tensor:
+        """forward for the positions of one decode call (model/decode.py), continuing each
+        row's cached state and convolution inputs and leaving the new ones in `cache`."""
+        convolved, tails = [], []
+        for (proj, conv), tail in zip(self._convolutions(), cache.conv_tails):
+            inputs = proj(x)
+            inputs = torch.cat([tail.to(inputs.dtype), inputs], dim=1)
+            convolved.append(conv.continued(inputs, step.conv_segments))
+            tails.append(step.last_inputs(inputs, conv.width))
+        cache.conv_tails = tails
+        q, k, v, g, beta = self._recurrence_inputs(x, *convolved)
+        g, beta = step.without_padding(g, beta)
+        if step.t == 1 or step.cu_seqlens is None:  # one document per row
+            op = self.step_op if step.t == 1 else self._chunk_form()
+            o, cache.state = op(q, k, v, g, beta, initial_state=step.row_initial_states(
+                cache.state), output_final_state=True)
+        else:
+            o, states = self._chunk_form()(
+                *self._packed(q, k, v, g, beta), output_final_state=True,
+                initial_state=step.document_initial_states(cache.state),
+                cu_seqlens=step.cu_seqlens)
+            o, cache.state = o.view(v.shape), step.row_final_states(states, cache.state)
+        return self._output(o, x)
+
+    def new_cache(self, batch_size: int) -> KDACache:
+        """Zero state and no earlier convolution inputs for `batch_size` rows."""
+        weight = self.q_proj.weight
+        heads = self.a_log.shape[0]
+        state = weight.new_zeros(batch_size, heads, self.head_dim, self.head_dim,
+                                 dtype=compute_dtype(weight.dtype))
+        tails = [weight.new_zeros(batch_size, conv.width, conv.weight.shape[0])
+                 for _, conv in self._convolutions()]
+        return KDACache(state, tails)
+
+    def _convolutions(self) -> tuple[tuple[nn.Linear, ShortConv], ...]:
+        return ((self.q_proj, self.q_conv), (self.k_proj, self.k_conv),
+                (self.v_proj, self.v_conv))
+
+    def _recurrence_inputs(self, x, q, k, v):
+        """(q, k, v, g, beta) [B, T, H, *] of the recurrence from x and the convolutions'
+        outputs [B, T, H * head_dim]."""
+        heads = (*x.shape[:2], -1, self.head_dim)
+        z = (self.decay_up(self.decay_down(x)) + self.decay_bias).view(heads)
+        q, k, beta, g = kda_inputs(q.view(heads), k.view(heads), self.beta_proj(x), z,
+                                   self.a_log, self.gate_kind, self.lower_bound)
+        return q, k, v.view(heads), g, beta
+
+    def _chunk_form(self):
+        # Only the K3 gate has a bound (fla's safe-gate kernel, the torch path's dense
+        # sub-tiles).
+        bound = self.lower_bound if self.gate_kind == "lower_bound" else None
+        return functools.partial(self.chunk_op, chunk_size=self.chunk_size,
+                                 backend=self.backend, lower_bound=bound)
+
+    def _packed(self, q, k, v, g, beta):
+        """The rows as one sequence [1, B*T, ...], for document bounds over all of them."""
+        flat = (1, q.shape[0] * q.shape[1], -1, self.head_dim)
+        return (q.reshape(flat), k.reshape(flat), v.reshape(flat), g.reshape(flat),
+                beta.reshape(flat[:3]))
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The gated, head-normalised output projection of the recurrence's o [B, T, H, V]."""
         o = rms_norm(upcast(o), self.out_norm_weight, self.norm_eps)
-        o = torch.sigmoid(upcast(self.gate_proj(x))).view(heads) * o
-        return self.o_proj(o.reshape(b, t, -1).to(x.dtype))
+        o = torch.sigmoid(upcast(self.gate_proj(x))).view(o.shape) * o
+        return self.o_proj(o.reshape(*x.shape[:2], -1).to(x.dtype))

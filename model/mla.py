@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from .cache import MLACache
 from .config import K3Config
 from .dtypes import upcast
 from .norms import RMSNorm
-from .ops.attention import doc_causal_attention
+from .ops.attention import doc_causal_attention, offset_doc_causal_attention
+
+if TYPE_CHECKING:
+    from .decode import DecodeStep
 
 
 class GatedMLA(nn.Module):
@@ -18,6 +24,8 @@ class GatedMLA(nn.Module):
     Weight layouts QK-Clip and Per-Head Muon rely on: q_b rows per head are
     [q_nope | q_rope], kv_b rows per head are [k_nope | v].
     """
+
+    cache_type = MLACache
 
     def __init__(self, cfg: K3Config):
         super().__init__()
@@ -47,24 +55,51 @@ class GatedMLA(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, _ = x.shape
-        # Head counts come from the projections (-1): a head-sharded q_b/kv_b runs unchanged.
-        q = self.q_b(self.q_a_norm(self.q_a(x))).view(b, t, -1, self.nope + self.rope)
+        q = self._queries(x)
         latent, attend = self.kv_a(x), doc_causal_attention
         if self.kv_exchange is not None:  # the compressed latent crosses ranks, not K and V
             latent, attend = self.kv_exchange(latent)
+        out = attend(q, *self._keys_values(latent), cu_seqlens, scale=self.scale,
+                     backend=self.backend, return_max_logit=self.record_max_logit)
+        if self.record_max_logit:
+            out, max_logit = out
+            self.max_logit = max_logit if self.max_logit is None else torch.maximum(
+                self.max_logit, max_logit)
+        return self._gated_output(out, x)
+
+    def decode(self, x: torch.Tensor, cache: MLACache, step: DecodeStep) -> torch.Tensor:
+        """forward for the positions of one decode call (model/decode.py): their latents join
+        the cached ones, and their queries attend to every slot of their document up to their
+        own, K and V expanded from the latents."""
+        latent = self.kv_a(x)
+        end = step.offset + step.t
+        cache.latent[:, step.offset:end] = latent
+        k, v = self._keys_values(cache.latent[:, :end].to(latent.dtype))
+        backend = "reference" if self.backend == "reference" else "blockwise"
+        out = offset_doc_causal_attention(self._queries(x), k, v, step.query_documents,
+                                          step.key_documents, step.offset, self.scale, backend)
+        return self._gated_output(out, x)
+
+    def new_cache(self, batch_size: int) -> MLACache:
+        """No latents yet for `batch_size` rows (the buffer grows with DecodeCache.reserve)."""
+        weight = self.kv_a.weight
+        return MLACache(weight.new_zeros(batch_size, 0, weight.shape[0]))
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the projections (-1): a head-sharded q_b/kv_b runs unchanged.
+        return self.q_b(self.q_a_norm(self.q_a(x))).view(*x.shape[:2], -1, self.nope + self.rope)
+
+    def _keys_values(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [B, T, H, nope + rope] and V [B, T, H, v_dim] expanded from latents [B, T, C]."""
         ckv, k_rope = latent.split([self.kv_lora_rank, self.rope], dim=-1)
         # The exchanged latents may serve several query rows each (context parallelism's pieces
         # of one row): their own batch dimension.
         kv = self.kv_b(self.kv_a_norm(ckv)).view(*latent.shape[:2], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)
-        out = attend(q, k, v, cu_seqlens, scale=self.scale, backend=self.backend,
-                     return_max_logit=self.record_max_logit)
-        if self.record_max_logit:
-            out, max_logit = out
-            self.max_logit = max_logit if self.max_logit is None else torch.maximum(
-                self.max_logit, max_logit)
-        gate = torch.sigmoid(upcast(self.gate_proj(x))).view(b, t, -1, self.v_dim)
-        o = (gate * upcast(out)).reshape(b, t, -1)
-        return self.o_proj(o.to(x.dtype))
+        return k, v
+
+    def _gated_output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The gated output projection of the attention's out [B, T, H, v_dim] (fp32)."""
+        gate = torch.sigmoid(upcast(self.gate_proj(x))).view(out.shape)
+        return self.o_proj((gate * upcast(out)).reshape(*x.shape[:2], -1).to(x.dtype))

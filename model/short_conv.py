@@ -134,9 +134,17 @@ class ShortConv(nn.Module):
         bound = 1.0 / math.sqrt(self.weight.shape[-1])  # nn.Conv1d's default, depthwise kernel
         return {"weight": Uniform(-bound, bound)}
 
+    @property
+    def width(self) -> int:
+        """How many earlier inputs an output reads besides its own: kernel - 1."""
+        return self.weight.shape[-1] - 1
+
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         if self.halo is None:
             return doc_causal_conv1d_silu(x, self.weight, segments)
-        width = self.weight.shape[-1] - 1
-        x, segments = self.halo(x, segments, width)
-        return doc_causal_conv1d_silu(x, self.weight, segments)[:, width:]
+        return self.continued(*self.halo(x, segments, self.width))
+
+    def continued(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        """The outputs after x's first `width` positions, which hold the inputs before them (a
+        context-parallel halo, a decode cache's tail); segments [B, width + T] or None."""
+        return doc_causal_conv1d_silu(x, self.weight, segments)[:, self.width:]

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.k3 import K3Model
 from model.kda import KimiDeltaAttention
-from model.moe import LatentMoE
+from model.moe import LatentMoE, statistics_paused
 from model.ops.kda import kda_chunk
 
 
@@ -31,19 +31,8 @@ def _balancers(module: nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def _paused(balancers):
-    for b in balancers:
-        b.accumulating = False
-    try:
-        yield
-    finally:
-        for b in balancers:
-            b.accumulating = True
-
-
-@contextlib.contextmanager
 def _recompute_context(balancers, autocast):
-    with _paused(balancers), autocast():
+    with statistics_paused(balancers), autocast():
         yield
 
 

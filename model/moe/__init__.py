@@ -1,6 +1,12 @@
 """Stable LatentMoE with Quantile Balancing."""
 
-from model.moe.balancing import QuantileBalancer, load_statistics, no_reduce, update_balancers
+from model.moe.balancing import (
+    QuantileBalancer,
+    load_statistics,
+    no_reduce,
+    statistics_paused,
+    update_balancers,
+)
 from model.moe.dispatch import Dispatched, LocalDispatcher
 from model.moe.experts import GroupedExperts, grouped_mm_supported
 from model.moe.layer import LatentMoE
@@ -18,5 +24,6 @@ __all__ = [
     "load_statistics",
     "no_reduce",
     "route",
+    "statistics_paused",
     "update_balancers",
 ]

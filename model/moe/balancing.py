@@ -18,7 +18,8 @@ Two estimators of that quantile:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -204,3 +205,18 @@ def update_balancers(balancers: list[QuantileBalancer], reduce_fn: Reduce) -> No
     for balancer, stats in zip(balancers, local):
         balancer.update(reduced[offset:offset + stats.numel()].view_as(stats))
         offset += stats.numel()
+
+
+@contextlib.contextmanager
+def statistics_paused(balancers: Iterable[QuantileBalancer]):
+    """No balancer of `balancers` accumulates statistics inside the block (a recomputed forward,
+    decoding); each routes with its bias as it is."""
+    balancers = list(balancers)
+    before = [b.accumulating for b in balancers]
+    for b in balancers:
+        b.accumulating = False
+    try:
+        yield
+    finally:
+        for b, accumulating in zip(balancers, before):
+            b.accumulating = accumulating

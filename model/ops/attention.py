@@ -131,8 +131,10 @@ def offset_doc_causal_attention(
     """Document-causal attention of queries that are key positions q_offset .. q_offset + Tq - 1
     (a context-parallel rank's fragment against the keys gathered up to its end): q [B, Tq, H,
     Dqk], k [B, Tk, H, Dqk], v [B, Tk, H, Dv], document ids q_segments [B, Tq] and k_segments
-    [B, Tk] (non-decreasing along each row, one numbering for both). Query i attends key j when
-    their ids match and j <= q_offset + i. backend: "blockwise" or "reference" (dense mask).
+    [B, Tk] (one numbering for both; a decode cache's padding slots, id -1, sit between a
+    row's documents: the native CPU kernel takes non-decreasing ids only and leaves the others to
+    the tiles). Query i attends key j when their ids match and j <= q_offset + i. backend:
+    "blockwise" or "reference" (dense mask).
     Returns o [B, Tq, H, Dv] fp32 (and max_logit [H])."""
     if backend not in ("blockwise", "reference"):
         raise ValueError(f"backend={backend!r} is invalid: must be 'blockwise' or 'reference'")
