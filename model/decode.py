@@ -7,8 +7,8 @@ out of the KDA state (no decay, no write), the convolution tails and attention (
 With cu_seqlens (K3Batch's convention over the call's B*t positions: every row start is a
 boundary) a row holds several documents: the first continues the row's cached document (unless
 the row is `fresh`: a prefill cut into pieces at a document's start), each later one starts
-afresh, and the last is the one later calls continue. Everything is planned
-on the device: no host sync, no shape that depends on the data.
+afresh, and the last is the one later calls continue. Everything is planned on the device: no
+host sync, no shape that depends on the data.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ Lengths = torch.Tensor | Sequence[int] | None
 
 @dataclass
 class DecodeStep:
+    """Where one call's positions went (`extend`), as the layers' `decode` reads it."""
+
     offset: int  # slots each row held before the call
     lengths: torch.Tensor  # [B] int64 tokens of each row in the call
     valid: torch.Tensor | None  # [B, t] bool, True for tokens; None: no padding
