@@ -42,6 +42,7 @@ setup(
             "k3-data=data_pipeline.cli:main",
             "k3-submit=slurm.submit:main",
             "k3-export=train.export:main",
+            "k3-generate=train.generate_cli:main",
         ]
     },
 )

@@ -79,6 +79,14 @@ def read_run_config(run_dir: Path) -> tuple[K3Config, RunPrecision]:
         scale_mode=precision.get("qat_scale_mode") or "floor")
 
 
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The newest complete checkpoint of a k3-train run."""
+    checkpoint = Checkpointer(Path(run_dir) / "checkpoints", keep_last=1).latest()
+    if checkpoint is None:
+        raise FileNotFoundError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
+    return Path(checkpoint)
+
+
 def load_checkpoint_model(cfg: K3Config, checkpoint: Path) -> K3Model:
     """K3Model on the CPU with the model half of a Checkpointer checkpoint (DCP reads only the
     keys it is asked for, so the optimizer state stays on disk); checksums verified first."""
@@ -150,11 +158,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path | None = None,
     cfg, run = read_run_config(run_dir)
     if scale_mode is not None:
         run = dataclasses.replace(run, scale_mode=scale_mode)
-    if checkpoint is None:
-        checkpoint = Checkpointer(run_dir / "checkpoints", keep_last=1).latest()
-        if checkpoint is None:
-            raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
-    checkpoint = Path(checkpoint)
+    checkpoint = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
     model = load_checkpoint_model(cfg, checkpoint)
     tensors = exported_tensors(model, EXPORT_DTYPES[dtype], run.scale_mode)
     out = Path(out) if out is not None else run_dir / "export"

@@ -1,0 +1,170 @@
+"""`k3-generate`: completions from a k3-train run's checkpoint (saved at any layout: DCP reads it
+into one process) or a `k3-export` directory, for prompts given on the command line or in a
+JSONL file, tokenised with the run's tokenizer; one JSON line per prompt, printed or written.
+
+    k3-generate run_dir=outputs/k3_tiny prompt="The river" max_new_tokens=32
+    k3-generate export_dir=outputs/k3_tiny/export tokenizer=outputs/data/tokenizer.json \
+        prompts_file=prompts.jsonl output=completions.jsonl temperature=0.7 top_p=0.9 seed=1
+
+Each output line: {"prompt", "completion" (the decoded new tokens), "tokens", "logprobs",
+"finish_reason"}. A prompts file holds one {"prompt": str} per line. The run's tokenizer is the
+one its data was tokenised with: `data.tokenizer.path` of the run's config when set, else
+<data.output_dir>/tokenizer.json; an export directory needs `tokenizer=`. Generation stops at
+the end-of-document token (`<eod>`, what ends every training document) unless `stop_tokens`
+says otherwise (an empty list: the budget only). Prompts are decoded `batch_size` at a time; a
+batch's sampling seed is `seed` plus the index of its first prompt, so a run is reproducible.
+An existing `output` file is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from model.errors import ConfigError
+
+from .cli import CONFIG_DIR, EXIT_CONFIG_ERROR, hydra_exit_codes
+from .generate import sample
+
+
+@dataclass
+class GenerateConfig:
+    run_dir: str | None = None  # a k3-train run: its newest complete checkpoint and tokenizer
+    checkpoint: str | None = None  # one of the run's checkpoints instead of the newest
+    export_dir: str | None = None  # a k3-export directory instead of a run
+    tokenizer: str | None = None  # tokenizer.json (default: the run's)
+    prompt: str | None = None
+    prompts_file: str | None = None  # JSONL, {"prompt": str} per line
+    output: str | None = None  # JSONL to write (default: print)
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop_tokens: list[str] = field(default_factory=lambda: ["<eod>"])
+    batch_size: int = 8  # prompts decoded together
+    device: str = "auto"
+
+
+def _run_tokenizer_path(run_dir: Path) -> Path:
+    config = run_dir / ".hydra" / "config.yaml"
+    if not config.exists():
+        raise ConfigError(f"run_dir={str(run_dir)!r}: no {config} (not a k3-train run?)")
+    data = OmegaConf.load(config).data
+    if data.tokenizer.path is not None:
+        return Path(data.tokenizer.path)
+    return Path(data.output_dir) / "tokenizer.json"
+
+
+def load_model_and_tokenizer(cfg: GenerateConfig):
+    """(the model in eval mode on the CPU, the tokenizer) from a run or an export."""
+    from data_pipeline.tokenizer import load_tokenizer
+
+    from .export import latest_checkpoint, load_checkpoint_model, load_exported, read_run_config
+
+    if (cfg.run_dir is None) == (cfg.export_dir is None):
+        raise ConfigError("give exactly one of run_dir (a k3-train run) or export_dir (a "
+                          "k3-export directory)")
+    if cfg.run_dir is not None:
+        run_dir = Path(cfg.run_dir)
+        tokenizer_path = Path(cfg.tokenizer) if cfg.tokenizer else _run_tokenizer_path(run_dir)
+        model_cfg, _ = read_run_config(run_dir)
+        checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else latest_checkpoint(run_dir)
+        model = load_checkpoint_model(model_cfg, checkpoint).eval()
+    else:
+        if cfg.tokenizer is None:
+            raise ConfigError("export_dir needs tokenizer=PATH (the tokenizer.json the run's "
+                              "data was tokenised with)")
+        tokenizer_path = Path(cfg.tokenizer)
+        model = load_exported(cfg.export_dir)
+    if not tokenizer_path.exists():
+        raise ConfigError(f"tokenizer {tokenizer_path} does not exist: give tokenizer=PATH")
+    return model, load_tokenizer(tokenizer_path)
+
+
+def read_prompts(cfg: GenerateConfig) -> list[str]:
+    if (cfg.prompt is None) == (cfg.prompts_file is None):
+        raise ConfigError("give exactly one of prompt=TEXT or prompts_file=PATH (JSONL)")
+    if cfg.prompt is not None:
+        return [cfg.prompt]
+    prompts = []
+    for number, line in enumerate(Path(cfg.prompts_file).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{cfg.prompts_file}:{number}: not a JSON object with a "
+                              f"\"prompt\" ({e})") from e
+    if not prompts:
+        raise ConfigError(f"{cfg.prompts_file}: no prompts")
+    return prompts
+
+
+def run(cfg: GenerateConfig) -> list[dict]:
+    """The completion record of every prompt, in order (module docstring)."""
+    from data_pipeline.tokenizer import encode_text
+
+    if cfg.output is not None and Path(cfg.output).exists():
+        raise ConfigError(f"output={cfg.output!r} exists: k3-generate does not overwrite a "
+                          f"file, give another path")
+    model, tokenizer = load_model_and_tokenizer(cfg)
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if cfg.device == "auto" else cfg.device)
+    model = model.to(device)
+    stops = []
+    for name in cfg.stop_tokens:
+        token = tokenizer.token_to_id(name)
+        if token is None:
+            raise ConfigError(f"stop_tokens: {name!r} is not a token of the tokenizer")
+        stops.append(token)
+    texts = read_prompts(cfg)
+    records = []
+    for start in range(0, len(texts), cfg.batch_size):
+        batch = texts[start:start + cfg.batch_size]
+        ids = [encode_text(tokenizer, text) for text in batch]
+        for i, tokens in enumerate(ids):
+            if not tokens:
+                raise ConfigError(f"prompt {start + i} tokenises to nothing: {batch[i]!r}")
+        for text, completion in zip(batch, sample(
+                model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed + start,
+                stops), strict=True):
+            records.append({"prompt": text, "completion": tokenizer.decode(completion.tokens),
+                            "tokens": completion.tokens, "logprobs": completion.logprobs,
+                            "finish_reason": completion.finish_reason})
+    return records
+
+
+ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
+_task_started = False
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="generate", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
+    try:
+        records = run(OmegaConf.to_object(cfg))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"k3-generate: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    output = OmegaConf.select(cfg, "output")
+    if output is None:
+        sys.stdout.write(lines)
+    else:
+        Path(output).write_text(lines)
+
+
+def main() -> None:
+    hydra_exit_codes(_hydra_main, lambda: _task_started)
+
+
+if __name__ == "__main__":
+    main()
