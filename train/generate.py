@@ -91,51 +91,109 @@ def _check(model: K3Model, prompts, max_new_tokens: int, temperature: float,
                          f"{max_new_tokens} exceeds model.max_seq_len={model.cfg.max_seq_len}")
 
 
+class _Rows:
+    """The completions being written and which rows still run (active: a device mask)."""
+
+    def __init__(self, batch: int, budget: int, stops: set[int], device: torch.device):
+        self.completions = [Completion() for _ in range(batch)]
+        self.budget, self.stops = budget, stops
+        self.active = torch.ones(batch, dtype=torch.bool, device=device)
+
+    def append(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[int]:
+        """Each row's new tokens, cut after a stop token and at the budget (none for a finished
+        row); returns how many each row took."""
+        taken = []
+        for completion, row_tokens, row_logprobs in zip(self.completions, tokens, logprobs):
+            count = 0
+            for token, logprob in zip(row_tokens, row_logprobs):
+                if completion.finish_reason == "stop" or len(completion.tokens) == self.budget:
+                    break
+                completion.tokens.append(token)
+                completion.logprobs.append(logprob)
+                count += 1
+                if token in self.stops:
+                    completion.finish_reason = "stop"
+            taken.append(count)
+        self.active &= torch.tensor([not self.finished(c) for c in self.completions],
+                                    device=self.active.device)
+        return taken
+
+    def finished(self, completion: Completion) -> bool:
+        return completion.finish_reason == "stop" or len(completion.tokens) == self.budget
+
+    def done(self) -> bool:
+        return all(self.finished(c) for c in self.completions)
+
+
+def _prefill(model: K3Model, prompts: Sequence[Sequence[int]]):
+    """(cache, each row's next-token logits [B, V]) after the right-padded prompts."""
+    device = model.embed.weight.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = _padded([list(p) for p in prompts], model.cfg.pad_token_id, device)
+    cache = model.new_cache(len(prompts))
+    logits = model.decode(tokens, cache, lengths=lengths)
+    return cache, _last(logits, lengths)
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    out = torch.full((len(rows), max(max(len(r) for r in rows), 1)), pad, device=device)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, device=device)
+    return out
+
+
+def _last(logits: torch.Tensor, lengths: torch.Tensor,
+          active: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, t, V] at each row's last position (lengths [B]), those of rows not `active`
+    (padding only: unspecified values) zeroed so that every row can be sampled."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    last = logits[rows, (lengths - 1).clamp(min=0)]
+    return last if active is None else _masked(last, active)
+
+
+def _masked(logits: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """logits [B, ...] with the rows not `active` zeroed."""
+    return torch.where(active.view(-1, *[1] * (logits.dim() - 1)), logits, 0.0)
+
+
 @torch.no_grad()
 def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-           stop_token_ids: Sequence[int] = ()) -> list[Completion]:
+           stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
+           speculative_tokens: int = 0) -> list[Completion]:
     """Each prompt's completion: the new tokens, their log-probabilities and why it ended
-    (module docstring). The same seed and prompts give the same completions."""
+    (module docstring). The same seed and prompts give the same completions. With a `draft`
+    model (the same vocabulary) and speculative_tokens = k > 0, each round the draft proposes k
+    tokens that `model` verifies in one call (train/speculative.py): the completions are
+    distributed as without it (greedy: the same tokens)."""
     _check(model, prompts, max_new_tokens, temperature, top_p)
     device = model.embed.weight.device
-    batch = len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    tokens = torch.full((batch, max(len(p) for p in prompts)), model.cfg.pad_token_id,
-                        device=device)
-    for i, prompt in enumerate(prompts):
-        tokens[i, :len(prompt)] = torch.tensor(list(prompt), device=device)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
-    completions = [Completion() for _ in prompts]
+    rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids), device)
     if max_new_tokens == 0:
-        return completions
-    cache = model.new_cache(batch)
-    logits = model.decode(tokens, cache, lengths=lengths)
-    logits = logits[torch.arange(batch, device=device), lengths - 1]  # each row's last token
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
+        return rows.completions
+    if draft is not None and speculative_tokens > 0:
+        from .speculative import speculative_rounds
+
+        speculative_rounds(model, draft, prompts, rows, speculative_tokens, temperature, top_p,
+                           generator)
+        return rows.completions
+    cache, logits = _prefill(model, prompts)
+    while True:
         new, logprobs = sample_next(logits, temperature, top_p, generator)
-        stopped = torch.isin(new, stops)
-        # The one host read of a step: the tokens, their log-probabilities, which rows stopped.
-        for i, (token, logprob, is_active, stop) in enumerate(zip(
-                new.tolist(), logprobs.tolist(), active.tolist(), stopped.tolist())):
-            if is_active:
-                completions[i].tokens.append(token)
-                completions[i].logprobs.append(logprob)
-                if stop:
-                    completions[i].finish_reason = "stop"
-        active &= ~stopped
-        if step == max_new_tokens - 1 or all(c.finish_reason == "stop" for c in completions):
-            break
+        # The one host read of a step: the tokens and their log-probabilities.
+        rows.append([[t] for t in new.tolist()], [[lp] for lp in logprobs.tolist()])
+        if rows.done():
+            return rows.completions
         # A finished row takes a padding position (length 0): nothing of it is seen.
-        logits = model.decode(new[:, None], cache, lengths=active.long())[:, 0]
-    return completions
+        logits = _masked(model.decode(new[:, None], cache, lengths=rows.active.long())[:, 0],
+                         rows.active)
 
 
 def generate(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+             stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
+             speculative_tokens: int = 0) -> list[list[int]]:
     """The new tokens of each prompt (`sample`'s completions' tokens)."""
     return [c.tokens for c in sample(model, prompts, max_new_tokens, temperature, top_p, seed,
-                                     stop_token_ids)]
+                                     stop_token_ids, draft, speculative_tokens)]

@@ -126,3 +126,71 @@ def test_bad_arguments_are_refused_by_name(kwargs, message):
     args = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
         sample(_model(), **args)
+
+
+def _draft(seed: int, vocab: int | None = None) -> K3Model:
+    """A small K3 of the model's vocabulary with other weights (most drafts rejected)."""
+    cfg = replace(_model().cfg, num_layers=2, attnres_block_size=1)
+    if vocab is not None:
+        cfg = replace(cfg, vocab_size=vocab)
+    return K3Model(cfg, seed=seed).double().eval()
+
+
+@pytest.mark.parametrize("draft_name", ["other_model", "the_model_itself"])
+def test_speculative_greedy_equals_greedy(draft_name):
+    """k = 3 drafts a round, verified in one call of the model: the same tokens as greedy
+    decoding, stop tokens included, whether the draft is mostly rejected (another model) or
+    always kept (the model itself); log-probabilities the model's (float64: within 1e-9)."""
+    model = _model()
+    draft = _draft(seed=5) if draft_name == "other_model" else model
+    stop = _greedy_by_forward(model, PROMPTS[0], 9)[0][4]
+    plain = sample(model, PROMPTS, 9, stop_token_ids=[stop])
+    fast = sample(model, PROMPTS, 9, stop_token_ids=[stop], draft=draft, speculative_tokens=3)
+    for a, b in zip(plain, fast, strict=True):
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-9
+
+
+def test_the_speculative_rule_keeps_the_targets_distribution():
+    """verify() on fixed distributions over 6 tokens, k = 2, 200000 rows: drafts drawn from q,
+    the token a row emits at position 1, and at position 2 where it kept the first draft, is
+    distributed as p_1, p_2 (each frequency within 5 standard errors); with q = p every draft
+    is kept."""
+    from train.speculative import verify
+
+    g = torch.Generator().manual_seed(0)
+    n, V, k = 200000, 6, 2
+    p = torch.log_softmax(torch.randn(k + 1, V, generator=g, dtype=torch.float64) * 1.5, -1)
+    q = torch.log_softmax(torch.randn(k, V, generator=g, dtype=torch.float64) * 1.5, -1)
+    drafts = torch.stack([torch.multinomial(q[j].exp(), n, replacement=True, generator=g)
+                          for j in range(k)], dim=1)
+    kept, token = verify(p.expand(n, -1, -1), q.expand(n, -1, -1), drafts, False, g)
+    emitted = torch.cat([drafts, token[:, None]], dim=1)
+    emitted[torch.arange(n), kept] = token
+    for j in range(k):  # position j is emitted by the rows that kept the drafts before it
+        tokens = emitted[kept >= j, j]
+        counts = torch.bincount(tokens, minlength=V).double() / len(tokens)
+        probs = p[j].exp()
+        sigma = (probs * (1 - probs) / len(tokens)).sqrt()
+        assert ((counts - probs).abs() <= 5 * sigma).all(), (j, counts, probs)
+    kept_all, _ = verify(p.expand(n, -1, -1), p[:k].expand(n, -1, -1), drafts, False, g)
+    assert (kept_all == k).all()
+
+
+def test_speculative_sampling_matches_plain_sampling():
+    """A 16-token vocabulary, 1000 samples of 2 tokens from one prompt, plainly and with a draft
+    proposing 2 tokens a round: a two-sample chi-square test per position (p > 1e-3 on 15
+    degrees of freedom: the statistic below 37.7). Measured 13.1 and 14.2; a rule that keeps
+    every draft gives 45.2 at the first position (the draft's distribution)."""
+    cfg = replace(_model().cfg, vocab_size=16)
+    model = K3Model(cfg, seed=2).double().eval()
+    prompts = [[7, 9, 12]] * 1000
+    plain = torch.tensor(generate(model, prompts, 2, temperature=1.0, seed=1))
+    fast = torch.tensor(generate(model, prompts, 2, temperature=1.0, seed=2,
+                                 draft=_draft(seed=6, vocab=16), speculative_tokens=2))
+    for j in range(2):
+        a = torch.bincount(plain[:, j], minlength=16).double()
+        b = torch.bincount(fast[:, j], minlength=16).double()
+        seen = (a + b) > 0
+        statistic = (((a - b) ** 2) / (a + b))[seen].sum().item()
+        assert statistic < 37.7, (j, statistic, a, b)
