@@ -167,12 +167,17 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     tokens that `model` verifies in one call (train/speculative.py): the completions are
     distributed as without it (greedy: the same tokens)."""
     _check(model, prompts, max_new_tokens, temperature, top_p)
+    if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+        raise ValueError(f"speculative_tokens={speculative_tokens!r} is invalid: must be an int "
+                         f">= 0")
+    if speculative_tokens > 0 and draft is None:
+        raise ValueError(f"speculative_tokens={speculative_tokens} needs a draft model")
     device = model.embed.weight.device
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
     rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids), device)
     if max_new_tokens == 0:
         return rows.completions
-    if draft is not None and speculative_tokens > 0:
+    if speculative_tokens > 0:
         from .speculative import speculative_rounds
 
         speculative_rounds(model, draft, prompts, rows, speculative_tokens, temperature, top_p,

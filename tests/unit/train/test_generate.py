@@ -121,6 +121,8 @@ def test_sampled_tokens_follow_the_distribution_and_the_nucleus():
     (dict(max_new_tokens=5000), "exceeds model.max_seq_len"),
     (dict(temperature=-0.5), "temperature=-0.5"),
     (dict(top_p=0.0), "top_p=0.0"),
+    (dict(speculative_tokens=-1), "speculative_tokens=-1"),
+    (dict(speculative_tokens=2), "needs a draft model"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, message):
     args = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
