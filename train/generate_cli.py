@@ -53,13 +53,18 @@ class GenerateConfig:
 
 
 def _run_tokenizer_path(run_dir: Path) -> Path:
+    """The run's tokenizer; a relative path in its config is taken from the directory k3-train
+    ran in (Hydra records it), wherever k3-generate runs."""
     config = run_dir / ".hydra" / "config.yaml"
     if not config.exists():
         raise ConfigError(f"run_dir={str(run_dir)!r}: no {config} (not a k3-train run?)")
     data = OmegaConf.load(config).data
-    if data.tokenizer.path is not None:
-        return Path(data.tokenizer.path)
-    return Path(data.output_dir) / "tokenizer.json"
+    path = (Path(data.tokenizer.path) if data.tokenizer.path is not None
+            else Path(data.output_dir) / "tokenizer.json")
+    hydra_record = run_dir / ".hydra" / "hydra.yaml"
+    if not path.is_absolute() and hydra_record.exists():
+        path = Path(OmegaConf.load(hydra_record).hydra.runtime.cwd) / path
+    return path
 
 
 def load_model_and_tokenizer(cfg: GenerateConfig):
