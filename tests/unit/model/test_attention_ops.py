@@ -335,12 +335,18 @@ def test_offset_attention_rejects_queries_past_the_keys():
 # logit recorded. Peak memory is the growth of the process's resident-set high-water mark
 # (getrusage ru_maxrss, a fresh process: torch's CPU allocator hands large blocks back to the OS)
 # from just before the forward, after imports, the layer and the input exist. The dense mask
-# alone would be 4 GiB at this length.
+# alone would be 4 GiB at this length, the scores 32 GiB. Tiles of 1024 x 1024 (a GPU's, as the
+# dry run takes them): memory linear in T holds for any fixed tile, and the default CPU tiles'
+# Python loop takes 3 minutes here (these: 20 s, 270 MiB).
 MEMORY_PROBE = """
 import json, resource, sys, time
 import torch
 from model.config import k3_tiny
 from model.mla import GatedMLA
+import model.ops.attention as attention
+
+attention.BLOCK_Q = attention.BLOCK_K = 1024
+attention.TILE_ELEMENTS = 2 ** 22
 
 torch.set_num_threads(2)  # both of CI's cores: the suite runs one test at a time
 torch.manual_seed(0)
