@@ -69,6 +69,8 @@ def _run_tokenizer_path(run_dir: Path) -> Path:
 
 def load_model_and_tokenizer(cfg: GenerateConfig):
     """(the model in eval mode on the CPU, the tokenizer) from a run or an export."""
+    import warnings
+
     from data_pipeline.tokenizer import load_tokenizer
 
     from .export import latest_checkpoint, load_checkpoint_model, load_exported, read_run_config
@@ -81,7 +83,9 @@ def load_model_and_tokenizer(cfg: GenerateConfig):
         tokenizer_path = Path(cfg.tokenizer) if cfg.tokenizer else _run_tokenizer_path(run_dir)
         model_cfg, _ = read_run_config(run_dir)
         checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else latest_checkpoint(run_dir)
-        model = load_checkpoint_model(model_cfg, checkpoint).eval()
+        with warnings.catch_warnings():  # DCP reading into one process is what is meant here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            model = load_checkpoint_model(model_cfg, checkpoint).eval()
     else:
         if cfg.tokenizer is None:
             raise ConfigError("export_dir needs tokenizer=PATH (the tokenizer.json the run's "
