@@ -75,11 +75,14 @@ def activation_bytes_per_element(precision: str) -> int:
     return {"fp64": 8, "fp32": 4}.get(precision, 2)  # auto: k3-plan sizes GPUs (bf16)
 
 
-def stage_model(cfg, layout: Topology, pp_rank: int = 0) -> tuple[K3Model, list[range], list[int]]:
-    """The meta-device model pruned to pipeline rank `pp_rank`'s stages, with every stage's
-    layers and the ids of the rank's (one stage of all the layers without the pipeline)."""
-    with torch.device("meta"):
-        model = K3Model(cfg.model)
+def stage_model(cfg, layout: Topology, pp_rank: int = 0, model: K3Model | None = None
+                ) -> tuple[K3Model, list[range], list[int]]:
+    """The meta-device model (`model`, pruned in place, or a new one) pruned to pipeline rank
+    `pp_rank`'s stages, with every stage's layers and the ids of the rank's (one stage of all
+    the layers without the pipeline)."""
+    if model is None:
+        with torch.device("meta"):
+            model = K3Model(cfg.model)
     if layout.pp == 1:
         return model, [range(cfg.model.num_layers)], [0]
     splits, ids = rank_stages(*stage_costs(cfg), layout.pp, pp_rank, layout.virtual_stages,
@@ -354,11 +357,12 @@ def data_parallel_bytes(model: K3Model, layout: Topology, tokens_per_step: int =
     return {k: round(v) for k, v in out.items()}
 
 
-def step_collective_bytes(cfg, layout: Topology, pp_rank: int, gather_bytes: int) -> dict:
+def step_collective_bytes(cfg, layout: Topology, stage: tuple, gather_bytes: int) -> dict:
     """{"total": {op: bytes}, "terms": {source: {op: bytes}}} of one optimizer step on a rank
-    of pipeline rank `pp_rank` (module docstring). `cfg`: the TrainConfig; `gather_bytes`: the
-    bytes per element FSDP2 gathers the layers in (sizing.gathered_bytes)."""
-    model, splits, ids = stage_model(cfg, layout, pp_rank)
+    of a pipeline stage (module docstring). `cfg`: the TrainConfig; `stage`: stage_model's
+    (model, splits, ids) of the rank; `gather_bytes`: the bytes per element FSDP2 gathers the
+    layers in (sizing.gathered_bytes)."""
+    model, splits, ids = stage
     kinds = _layer_kinds(model)
     rows, seq = cfg.stage.micro_batch_size, cfg.stage.seq_len
     a = activation_bytes_per_element(cfg.precision.name)

@@ -282,7 +282,8 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None,
                                      cfg.parallel.fsdp_param_dtype)
     gather = gathered_bytes(cfg.precision.name, layout.data_shard, cfg.parallel.fsdp_param_dtype)
     micro_batches = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * layout.dp)
-    collectives = step_collective_bytes(cfg, layout, pp_rank, gather)
+    stage = stage_model(cfg, layout, pp_rank, model)  # the counts above are the whole model's
+    collectives = step_collective_bytes(cfg, layout, stage, gather)
     return {
         "model": cfg.model.name,
         "parameters": counts.as_dict(),
@@ -297,7 +298,7 @@ def plan(cfg, long_context: bool = False, world_size: int | None = None,
                                          micro_batches=micro_batches),
         "expert_traffic": expert_traffic(cfg.model, layout, seq * cfg.stage.micro_batch_size),
         "data_parallel_bytes": data_parallel_bytes(
-            stage_model(cfg, layout, pp_rank)[0], layout, cfg.stage.global_batch_size * seq,
+            stage[0], layout, cfg.stage.global_batch_size * seq,
             gather, micro_batches),
         "collective_bytes": collectives["total"],
         "collective_bytes_by_source": collectives["terms"],

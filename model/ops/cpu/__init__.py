@@ -34,7 +34,7 @@ KERNELS = {
     "log_sum_exp_rows": bindings.log_sum_exp_rows,
     "softmax_grad_rows_": bindings.softmax_grad_rows_,
     "attention_forward": attention.attention_forward,
-    "attention_backward": bindings.attention_backward,
+    "attention_backward": attention.attention_backward,
 }
 
 

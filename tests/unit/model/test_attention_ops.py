@@ -297,25 +297,27 @@ def test_offset_queries_equal_their_rows_of_full_attention(backend, q_offset, q_
     torch.testing.assert_close(max_logit, expected_max, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["blockwise", BLOCKWISE_TORCH])
 @pytest.mark.parametrize("q_offset, q_len", [(0, 30), (37, 41)])
-def test_offset_attention_keeps_bf16_keys_and_computes_in_fp32(q_offset, q_len):
+def test_offset_attention_keeps_bf16_keys_and_computes_in_fp32(backend, q_offset, q_len):
     """bf16 q, k, v (a context-parallel rank's queries and gathered keys): the torch tiles
-    upcast each tile where it is used, no fp32 copy of the keys, and the gradients come back
-    in bf16 equal to the float64 reference's rounded to bf16: measured rel-RMS 5e-9 to 4.4e-5
-    (seeds 0-2; a few rounding ties), where one bf16 rounding step is 1.6e-3 and a mask or tile
-    error 1e-1. The bound 2e-4 tells them apart."""
+    upcast each tile where it is used, no fp32 copy of the keys (the native kernel, for rows of
+    up to 4096 keys, takes fp32 copies), and the gradients come back in bf16 equal to the
+    float64 reference's rounded to bf16: measured rel-RMS 5e-9 to 4.4e-5 (seeds 0-2; a few
+    rounding ties), where one bf16 rounding step is 1.6e-3 and a mask or tile error 1e-1. The
+    bound 2e-4 tells them apart."""
     q, k, v = (x.detach().bfloat16() for x in make_qkv())
     do = torch.randn(B, T, H, DV)
     segments = segment_ids(cu("packed"), B * T).view(B, T)
     rows, keys = slice(q_offset, q_offset + q_len), slice(0, q_offset + q_len)
     grads = {}
-    for dtype, backend in ((torch.bfloat16, "blockwise"), (torch.float64, "reference")):
+    for dtype, name in ((torch.bfloat16, backend), (torch.float64, "reference")):
         xs = [x[:, s].to(dtype).requires_grad_() for x, s in ((q, rows), (k, keys), (v, keys))]
         o = offset_doc_causal_attention(*xs, segments[:, rows], segments[:, keys], q_offset,
-                                        SCALE, backend)  # (the native kernel takes fp32 only)
+                                        SCALE, name)
         (o * do[:, rows].to(o.dtype)).sum().backward()
-        grads[backend] = o, [x.grad for x in xs]
-    (o, got), (expected_o, expected) = grads["blockwise"], grads["reference"]
+        grads[name] = o, [x.grad for x in xs]
+    (o, got), (expected_o, expected) = grads[backend], grads["reference"]
     assert o.dtype == torch.float32
     assert_close_rms(expected_o, o, 2e-6, "o")
     for name, g, e in zip(("dq", "dk", "dv"), got, expected, strict=True):
