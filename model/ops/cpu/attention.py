@@ -19,8 +19,8 @@ def _fp32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def attention_forward(q, k, v, q_segments, k_segments, scale: float, causal: bool,
                       q_offset: int):
-    """bindings.attention_forward for rows of up to NATIVE_MAX_KEYS keys, else None."""
-    if k.shape[-2] > NATIVE_MAX_KEYS:
+    """bindings.attention_forward for CPU rows of up to NATIVE_MAX_KEYS keys, else None."""
+    if k.shape[-2] > NATIVE_MAX_KEYS or q.device.type != "cpu":
         return None
     return bindings.attention_forward(*_fp32(q, k, v), q_segments, k_segments, scale, causal,
                                       q_offset)
@@ -30,6 +30,8 @@ def attention_backward(q, k, v, q_segments, k_segments, o, lse, grad_o, scale: f
                        causal: bool, q_offset: int):
     """bindings.attention_backward, the gradients in the dtypes of q, k and v; None where it
     does not apply."""
+    if q.device.type != "cpu":
+        return None
     grads = bindings.attention_backward(*_fp32(q, k, v), q_segments, k_segments, o, lse, grad_o,
                                         scale, causal, q_offset)
     return None if grads is None else tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v),
