@@ -163,5 +163,15 @@ class LMHead(nn.Module):
         logits = self.output(self._hidden(sources))
         return logits.to(loss_dtype(logits.dtype))
 
+    def decode_logits(self, sources: list[torch.Tensor],
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits` of a decode call's positions [B, t, V], or with positions [B] (one per row)
+        of those only [B, 1, V]: a prefill's next-token logits without every position's."""
+        hidden = self._hidden(sources)
+        if positions is not None:
+            hidden = hidden.gather(1, positions.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
+        logits = self.output(hidden)
+        return logits.to(loss_dtype(logits.dtype))
+
     def _hidden(self, sources: list[torch.Tensor]) -> torch.Tensor:
         return self.norm(self.out_mix(sources))

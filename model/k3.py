@@ -164,11 +164,16 @@ class K3Model(nn.Module):
         if vision is None or self.vision is None:
             return x
         b, t, d = x.shape
-        vis = self.vision(vision.patches, vision.grid_thw).to(x.dtype)
+        flat = x.reshape(b * t, d).index_copy(0, vision.token_positions,
+                                              self.vision_tokens(vision, x.dtype))
+        return flat.view(b, t, d)
+
+    def vision_tokens(self, vision: VisionInput, dtype: torch.dtype) -> torch.Tensor:
+        """The vision tower's output tokens [N, d] that go where vision.token_positions say."""
+        vis = self.vision(vision.patches, vision.grid_thw).to(dtype)
         if vision.output_rows is not None:
             vis = vis.index_select(0, vision.output_rows)
-        flat = x.reshape(b * t, d).index_copy(0, vision.token_positions, vis)
-        return flat.view(b, t, d)
+        return vis
 
     def run_layers(self, state: BlockState, batch: K3Batch,
                    layers: Sequence[DecoderLayer] | None = None) -> None:
@@ -220,17 +225,19 @@ class K3Model(nn.Module):
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: DecodeCache,
                lengths: Lengths = None, cu_seqlens: torch.Tensor | None = None,
-               vision: VisionInput | None = None) -> torch.Tensor:
+               vision: VisionInput | None = None, last_only: bool = False) -> torch.Tensor:
         """fp32 (float64 in a float64 model) logits [B, t, V] of tokens [B, t] after what
         `cache` holds, which then holds these positions too. t > 1 is a prefill. lengths [B]:
         each row's tokens, the rest of its t positions padding (default: all t); cu_seqlens:
         documents over the B*t positions as in K3Batch, the first of each row continuing its
-        cached one; vision: the prompt's images as in K3Batch. Quantile Balancing routes with
-        its bias as it is and gathers no statistics. docs/model.md, "Decoding"."""
+        cached one; vision: the prompt's images as in K3Batch; last_only: the logits at each
+        row's last token only [B, 1, V] (a prefill's next-token logits; unspecified for a row
+        without tokens). Quantile Balancing routes with its bias as it is and gathers no
+        statistics. docs/model.md, "Decoding"."""
         check_inputs(self, tokens, cache, lengths, cu_seqlens, vision)
         with statistics_paused(self.balancers()):
             return self._decode_embedded(self.embed_tokens(tokens, vision), cache, lengths,
-                                         cu_seqlens)
+                                         cu_seqlens, last_only=last_only)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, cache: DecodeCache, snapshot_every: int,
@@ -258,13 +265,15 @@ class K3Model(nn.Module):
 
     def _decode_embedded(self, x: torch.Tensor, cache: DecodeCache, lengths: Lengths,
                          cu_seqlens: torch.Tensor | None,
-                         fresh: torch.Tensor | None = None) -> torch.Tensor:
+                         fresh: torch.Tensor | None = None,
+                         last_only: bool = False) -> torch.Tensor:
         width = self.cfg.kda.conv_kernel - 1
         step = extend(cache, x.shape[1], lengths, cu_seqlens, width, fresh)
         state = BlockState(x, self.cfg.attnres_block_size)
         self._each_layer(state, None, lambda layer, blocks, partial: layer.decode(
             blocks, partial, cache.layers[str(layer.index)], step))
-        return self.head.logits(state.sources())
+        positions = (step.lengths - 1).clamp(min=0) if last_only else None
+        return self.head.decode_logits(state.sources(), positions)
 
     def balancers(self) -> list[QuantileBalancer]:
         return [moe.balancer for moe in self.moe_layers() if moe.balancer is not None]

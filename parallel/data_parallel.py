@@ -23,6 +23,9 @@ keeps Per-Head Muon's matrices whole on their owner as well.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -114,6 +117,23 @@ def apply_data_parallel(model: K3Model, mesh: DeviceMesh, mode: str,
         # Ranks reach different parameters (images on some ranks only): zero gradients for the
         # others keep every rank's reduction the same size.
         unit.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+@contextlib.contextmanager
+def gathered_for_decode(model: nn.Module) -> Iterator[None]:
+    """Every FSDP2 unit of `model` holds its whole parameters inside (resharded after).
+    FSDP2 gathers a unit's parameters in the pre-hook of its forward, which decoding's calls
+    (`K3Model.decode`, not a module call) never run: a generation under data parallelism
+    gathers them once for all its calls, as RL frameworks do for their rollouts (the
+    whole model per rank, less what expert and tensor parallelism keep split)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

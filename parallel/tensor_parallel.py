@@ -98,6 +98,28 @@ class _AllReduceGrad(torch.autograd.Function):
         return grad.redistribute(placements=[Replicate()])
 
 
+class ActivationLayout:
+    """Where the activations between blocks live: sharded along the sequence under sequence
+    parallelism, else replicated; replicated while decoding either way, whose calls take a
+    token or a few per row, a sequence the tensor-parallel ranks cannot split."""
+
+    def __init__(self, sequence_parallel: bool):
+        self.sequence_parallel = sequence_parallel
+        self.decoding = False
+
+    @property
+    def placement(self) -> Placement:
+        return Shard(1) if self.sequence_parallel and not self.decoding else Replicate()
+
+    def decoded(self, method, *args, **kwargs):
+        """`method` (K3Model.decode or prefill) on replicated activations."""
+        self.decoding = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self.decoding = False
+
+
 class LocalCompute(ParallelStyle):
     """Runs a module on plain local tensors while its parameters stay DTensors.
 
@@ -106,11 +128,11 @@ class LocalCompute(ParallelStyle):
     part of the gradient; replicated ones give a partial sum (`param_grad`) that the data-parallel
     reduction (or `reduce_partial_gradients`) completes. The local output is a partial sum
     (row-parallel projections) or a replicated value (`output`), turned back into the
-    activation layout `activation`.
+    activation layout (`activation.placement`).
     """
 
     def __init__(self, shards: dict[str, Placement], *, param_grad: Placement,
-                 input_grad: Placement, output: Placement, activation: Placement):
+                 input_grad: Placement, output: Placement, activation: ActivationLayout):
         super().__init__()
         self.shards = shards
         self.param_grad, self.input_grad = param_grad, input_grad
@@ -119,6 +141,9 @@ class LocalCompute(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_parameters(module, device_mesh, self.shards)
         module.forward = functools.partial(self._forward, module, module.forward, device_mesh)
+        if hasattr(module, "decode"):  # attention: decoding's calls run on local heads too
+            module.decode = functools.partial(self._forward, module, module.decode, device_mesh)
+            module.new_cache = functools.partial(_on_local_parameters, module, module.new_cache)
         return module
 
     def _grad_placement(self, p: DTensor) -> Placement:
@@ -130,7 +155,8 @@ class LocalCompute(ParallelStyle):
             x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[self.input_grad])
         with _reparametrize_module(module, local):
             out = forward(x, *args, **kwargs)
-        return DTensor.from_local(out, mesh, [self.output]).redistribute(mesh, [self.activation])
+        return DTensor.from_local(out, mesh, [self.output]).redistribute(
+            mesh, [self.activation.placement])
 
 
 class SplitTokens(ParallelStyle):
@@ -152,6 +178,9 @@ class SplitTokens(ParallelStyle):
 
     def _forward(self, module: nn.Module, forward, mesh: DeviceMesh, x: DTensor,
                  token_mask: torch.Tensor | None = None) -> DTensor:
+        tokens = x.shape[0]
+        if tokens % mesh.size():  # decoding's few tokens (training's divide evenly)
+            return _evenly_split(self, module, forward, mesh, x, token_mask)
         x = x.redistribute(mesh, [Shard(0)]).to_local(grad_placements=[Shard(0)])
         if token_mask is not None:  # the same rows as DTensor's Shard(0) (torch.chunk)
             token_mask = token_mask.chunk(mesh.size())[mesh.get_local_rank()]
@@ -165,8 +194,32 @@ class SplitTokens(ParallelStyle):
         return DTensor.from_local(out, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
 
 
+@torch.no_grad()
+def _evenly_split(style: SplitTokens, module: nn.Module, forward, mesh: DeviceMesh, x: DTensor,
+                  token_mask: torch.Tensor | None) -> DTensor:
+    """SplitTokens on a token count the tensor-parallel ranks do not divide (a decode call's
+    B * t): padded with masked tokens to a multiple, so every rank routes as many (the expert
+    layouts' exchanges take equal counts), then cut back. Inference only."""
+    tokens, ranks = x.shape[0], mesh.size()
+    pad = -tokens % ranks
+    whole = x.redistribute(mesh, [Replicate()]).to_local()
+    mask = (token_mask if token_mask is not None
+            else torch.ones(tokens, dtype=torch.bool, device=whole.device))
+    whole = torch.cat([whole, whole.new_zeros(pad, whole.shape[1])])
+    mask = torch.cat([mask, mask.new_zeros(pad)])
+    padded = DTensor.from_local(whole, mesh, [Replicate()])
+    return style._forward(module, forward, mesh, padded, mask)[:tokens]
+
+
 def _partial_sum(p: DTensor) -> Placement:
     return Partial()
+
+
+def _on_local_parameters(module: nn.Module, method, *args, **kwargs):
+    """`method` of `module` on its parameters' local shards (a decode cache sized for this
+    rank's heads)."""
+    with _reparametrize_module(module, _local_parameters(module, _partial_sum)):
+        return method(*args, **kwargs)
 
 
 def _local_parameters(module: nn.Module, grad_placement: Callable[[DTensor], Placement],
@@ -200,7 +253,7 @@ class VocabParallelEmbedding(ParallelStyle):
     rule for the embedding's backward makes the gradient of the whole table on every rank
     (fp32 [vocab, d]: 4.4 GiB at k3_full) and then keeps its rows; this makes only its rows'."""
 
-    def __init__(self, activation: Placement):
+    def __init__(self, activation: ActivationLayout):
         super().__init__()
         self.activation = activation
 
@@ -215,7 +268,8 @@ class VocabParallelEmbedding(ParallelStyle):
         ids = tokens - mesh.get_local_rank() * rows
         mine = (ids >= 0) & (ids < rows)
         out = F.embedding(ids.where(mine, 0), weight) * mine.unsqueeze(-1).to(weight.dtype)
-        return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [self.activation])
+        return DTensor.from_local(out, mesh, [Partial()]).redistribute(
+            mesh, [self.activation.placement])
 
 
 class ReplicateParameters(ParallelStyle):
@@ -246,19 +300,29 @@ def mlp_shards() -> dict[str, Placement]:
     return {"gate_up.weight": _StridedShard(0, split_factor=2), "down.weight": Shard(1)}
 
 
-def _embed_inputs(model: K3Model, mesh: DeviceMesh, act: Placement, batch):
-    """K3Model.embed_inputs with a vocab-parallel embedding: the vision tower is replicated (it
+def _embed_tokens(model: K3Model, mesh: DeviceMesh, act: ActivationLayout,
+                  tokens: torch.Tensor, vision) -> DTensor:
+    """K3Model.embed_tokens with a vocab-parallel embedding: the vision tower is replicated (it
     runs the same on every tensor-parallel rank, so its gradients need no reduction) and its
     tokens are written into the gathered embedding, which then returns to the activation
     layout."""
-    x = embedded_in_compute_dtype(model.embed(batch.tokens))
-    if batch.vision is None or model.vision is None:
+    x = embedded_in_compute_dtype(model.embed(tokens))
+    if vision is None or model.vision is None:
         return x
     whole = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Replicate()])
     b, t, d = whole.shape
-    vis = model.vision(batch.vision.patches, batch.vision.grid_thw).to(whole.dtype)
-    flat = whole.reshape(b * t, d).index_copy(0, batch.vision.token_positions, vis)
-    return DTensor.from_local(flat.view(b, t, d), mesh, [Replicate()]).redistribute(mesh, [act])
+    flat = whole.reshape(b * t, d).index_copy(0, vision.token_positions,
+                                              model.vision_tokens(vision, whole.dtype))
+    return DTensor.from_local(flat.view(b, t, d), mesh, [Replicate()]).redistribute(
+        mesh, [act.placement])
+
+
+def _decode_logits(mesh: DeviceMesh, decode_logits, sources, positions=None) -> torch.Tensor:
+    """LMHead.decode_logits under the column-parallel head: the vocabulary shards gathered
+    (every rank samples from the same whole logits)."""
+    if positions is not None:
+        positions = DTensor.from_local(positions, mesh, [Replicate()])
+    return decode_logits(sources, positions).full_tensor()
 
 
 def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh,
@@ -266,14 +330,15 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh,
     """Shards `model` in place over the 1-D tensor-parallel `mesh`, its experts already split
     over expert- or expert-tensor-parallel ranks (parallel/apply.py). A pipeline stage's model
     may lack the embedding or the LM head (parallel.pipeline.prune_to_stages)."""
-    act = Shard(1) if sequence_parallel else Replicate()
+    act = ActivationLayout(sequence_parallel)
     head_parallel = dict(param_grad=Partial(), input_grad=Partial(), output=Partial(),
                          activation=act)
     plan: dict[str, ParallelStyle] = {}
     if model.embed is not None:
         plan["embed"] = VocabParallelEmbedding(act)
     if model.head is not None:
-        plan.update({"head.output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
+        plan.update({"head.output": ColwiseParallel(input_layouts=act.placement,
+                                                    output_layouts=Shard(-1),
                                                     use_local_output=False),
                      "head.norm": ReplicateParameters(), "head.out_mix": ReplicateParameters()})
     for index, layer in model.layers.items():
@@ -294,7 +359,12 @@ def apply_tensor_parallel(model: K3Model, mesh: DeviceMesh,
         model.head.chunk_tokens = 0  # full (vocab-sharded) logits under loss_parallel
     if not sequence_parallel and model.embed is not None:
         model.embed.register_forward_hook(lambda module, args, out: _AllReduceGrad.apply(out))
-    model.embed_inputs = functools.partial(_embed_inputs, model, mesh, act)
+    model.embed_tokens = functools.partial(_embed_tokens, model, mesh, act)
+    model.decode = functools.partial(act.decoded, model.decode)
+    model.prefill = functools.partial(act.decoded, model.prefill)
+    if model.head is not None:
+        model.head.decode_logits = functools.partial(_decode_logits, mesh,
+                                                     model.head.decode_logits)
     model.register_forward_hook(_local_loss)
 
 

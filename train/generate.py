@@ -20,13 +20,16 @@ the most likely one); it changes which tokens can be drawn, not the reported log
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from model.dtypes import upcast
 from model.k3 import K3Model
+from parallel.data_parallel import gathered_for_decode
 
 
 @dataclass
@@ -91,13 +94,42 @@ def _check(model: K3Model, prompts, max_new_tokens: int, temperature: float,
                          f"{max_new_tokens} exceeds model.max_seq_len={model.cfg.max_seq_len}")
 
 
-class _Rows:
-    """The completions being written and which rows still run (active: a device mask)."""
+class _Ranks:
+    """The ranks that generate together under a parallel layout: their decode calls are
+    collectives (tensor-parallel reductions, expert dispatch), so they take batches of one
+    shape (rows and prompt length at their maximum, the added rows empty) and run until every
+    rank is done. One process: nothing to agree."""
 
-    def __init__(self, batch: int, budget: int, stops: set[int], device: torch.device):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.device = device
+
+    def max(self, *values: int) -> list[int]:
+        if self.group is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def all(self, flag: bool) -> bool:
+        return not self.max(int(not flag))[0]
+
+
+class _Rows:
+    """The completions being written and which rows still run (active: a device mask). The last
+    `idle` rows are a layout's padding (_Ranks): done from the start, never returned."""
+
+    def __init__(self, batch: int, budget: int, stops: set[int], device: torch.device,
+                 idle: int = 0):
         self.completions = [Completion() for _ in range(batch)]
+        for completion in self.completions[batch - idle:]:
+            completion.finish_reason = "stop"
+        self.real = batch - idle
         self.budget, self.stops = budget, stops
-        self.active = torch.ones(batch, dtype=torch.bool, device=device)
+        self.active = torch.tensor([not self.finished(c) for c in self.completions],
+                                   device=device)
 
     def append(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[int]:
         """Each row's new tokens, cut after a stop token and at the budget (none for a finished
@@ -125,30 +157,23 @@ class _Rows:
         return all(self.finished(c) for c in self.completions)
 
 
-def _prefill(model: K3Model, prompts: Sequence[Sequence[int]]):
-    """(cache, each row's next-token logits [B, V]) after the right-padded prompts."""
+def _prefill(model: K3Model, prompts: Sequence[Sequence[int]], width: int):
+    """(cache, each row's next-token logits [B, V]) after the prompts right-padded to
+    `width`."""
     device = model.embed.weight.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    tokens = _padded([list(p) for p in prompts], model.cfg.pad_token_id, device)
+    tokens = _padded([list(p) for p in prompts], model.cfg.pad_token_id, device, width)
     cache = model.new_cache(len(prompts))
-    logits = model.decode(tokens, cache, lengths=lengths)
-    return cache, _last(logits, lengths)
+    logits = model.decode(tokens, cache, lengths=lengths, last_only=True)
+    return cache, logits[:, 0]
 
 
-def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
-    out = torch.full((len(rows), max(max(len(r) for r in rows), 1)), pad, device=device)
+def _padded(rows: list[list[int]], pad: int, device, width: int = 1) -> torch.Tensor:
+    """rows right-padded to the longest, at least `width`."""
+    out = torch.full((len(rows), max(width, *(len(r) for r in rows))), pad, device=device)
     for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, device=device)
+        out[i, :len(row)] = torch.tensor(row, device=device, dtype=out.dtype)
     return out
-
-
-def _last(logits: torch.Tensor, lengths: torch.Tensor,
-          active: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, t, V] at each row's last position (lengths [B]), those of rows not `active`
-    (padding only: unspecified values) zeroed so that every row can be sampled."""
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    last = logits[rows, (lengths - 1).clamp(min=0)]
-    return last if active is None else _masked(last, active)
 
 
 def _masked(logits: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -160,45 +185,68 @@ def _masked(logits: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
 def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
            stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
-           speculative_tokens: int = 0) -> list[Completion]:
+           speculative_tokens: int = 0,
+           group: dist.ProcessGroup | None = None) -> list[Completion]:
     """Each prompt's completion: the new tokens, their log-probabilities and why it ended
     (module docstring). The same seed and prompts give the same completions. With a `draft`
     model (the same vocabulary) and speculative_tokens = k > 0, each round the draft proposes k
     tokens that `model` verifies in one call (train/speculative.py): the completions are
-    distributed as without it (greedy: the same tokens)."""
+    distributed as without it (greedy: the same tokens).
+
+    Under a parallel layout every rank of `group` (None: the default group, when
+    torch.distributed is initialized) calls this with the same arguments but its own prompts:
+    tensor-parallel peers the same ones (they sample the same tokens from the same seed), data-
+    and expert-parallel ranks theirs (pass each its own seed for independent draws)."""
     _check(model, prompts, max_new_tokens, temperature, top_p)
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
         raise ValueError(f"speculative_tokens={speculative_tokens!r} is invalid: must be an int "
                          f">= 0")
     if speculative_tokens > 0 and draft is None:
         raise ValueError(f"speculative_tokens={speculative_tokens} needs a draft model")
-    device = model.embed.weight.device
-    generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    rows = _Rows(len(prompts), max_new_tokens, set(stop_token_ids), device)
     if max_new_tokens == 0:
-        return rows.completions
-    if speculative_tokens > 0:
-        from .speculative import speculative_rounds
+        return [Completion() for _ in prompts]
+    device = model.embed.weight.device
+    ranks = _Ranks(group, device)
+    real = len(prompts)
+    batch, width = ranks.max(real, max(len(p) for p in prompts))
+    prompts = [*prompts, *[[]] * (batch - real)]  # a layout's padding rows: empty
+    rows = _Rows(batch, max_new_tokens, set(stop_token_ids), device, idle=batch - real)
+    generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+    with contextlib.ExitStack() as gathered:
+        for m in (model, draft):
+            if m is not None:
+                gathered.enter_context(gathered_for_decode(m))
+        if speculative_tokens > 0:
+            from .speculative import speculative_rounds
 
-        speculative_rounds(model, draft, prompts, rows, speculative_tokens, temperature, top_p,
-                           generator)
-        return rows.completions
-    cache, logits = _prefill(model, prompts)
+            speculative_rounds(model, draft, prompts, width, rows, speculative_tokens,
+                               temperature, top_p, generator, ranks)
+        else:
+            _plain_rounds(model, prompts, width, rows, temperature, top_p, generator, ranks)
+    return rows.completions[:rows.real]
+
+
+def _plain_rounds(model: K3Model, prompts, width: int, rows: _Rows, temperature: float,
+                  top_p: float, generator, ranks: _Ranks) -> None:
+    """Fills `rows` a token per step until every rank's rows are done."""
+    cache, logits = _prefill(model, prompts, width)
+    logits = _masked(logits, rows.active)
     while True:
         new, logprobs = sample_next(logits, temperature, top_p, generator)
         # The one host read of a step: the tokens and their log-probabilities.
         rows.append([[t] for t in new.tolist()], [[lp] for lp in logprobs.tolist()])
-        if rows.done():
-            return rows.completions
+        if ranks.all(rows.done()):
+            return
         # A finished row takes a padding position (length 0): nothing of it is seen.
-        logits = _masked(model.decode(new[:, None], cache, lengths=rows.active.long())[:, 0],
-                         rows.active)
+        logits = _masked(model.decode(new[:, None], cache, lengths=rows.active.long(),
+                                      last_only=True)[:, 0], rows.active)
 
 
 def generate(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
-             speculative_tokens: int = 0) -> list[list[int]]:
+             speculative_tokens: int = 0,
+             group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """The new tokens of each prompt (`sample`'s completions' tokens)."""
     return [c.tokens for c in sample(model, prompts, max_new_tokens, temperature, top_p, seed,
-                                     stop_token_ids, draft, speculative_tokens)]
+                                     stop_token_ids, draft, speculative_tokens, group)]

@@ -24,10 +24,10 @@ import torch
 from model.k3 import K3Model
 
 from .generate import (
-    _last,
     _masked,
     _padded,
     _prefill,
+    _Ranks,
     _Rows,
     next_token_distribution,
     top_p_filter,
@@ -70,24 +70,31 @@ def _draw(logprobs: torch.Tensor, greedy: bool, generator) -> torch.Tensor:
     return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
 
 
-def speculative_rounds(model: K3Model, draft: K3Model, prompts, rows: _Rows, k: int,
-                       temperature: float, top_p: float, generator) -> None:
-    """Fills `rows` (train.generate) round by round until every row is done."""
+def speculative_rounds(model: K3Model, draft: K3Model, prompts, width: int, rows: _Rows, k: int,
+                       temperature: float, top_p: float, generator, ranks: _Ranks) -> None:
+    """Fills `rows` (train.generate) round by round until every rank's rows are done; the
+    prompts right-padded to `width`. The ranks of a layout take the same branch and widths."""
     if draft.cfg.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"draft has vocab_size={draft.cfg.vocab_size}, the model "
                          f"{model.cfg.vocab_size}: a draft proposes the model's tokens")
     greedy = temperature == 0
-    target_cache, p_next = _prefill(model, prompts)
-    draft_cache, q_next = _prefill(draft, prompts)
-    while not rows.done():
+
+    def last(m: K3Model, tokens, cache, lengths) -> torch.Tensor:
+        """Next-token logits after each row's last token; zeros for finished rows."""
+        return _masked(m.decode(tokens, cache, lengths=lengths, last_only=True)[:, 0],
+                       rows.active)
+
+    target_cache, p_next = _prefill(model, prompts, width)
+    draft_cache, q_next = _prefill(draft, prompts, width)
+    p_next, q_next = _masked(p_next, rows.active), _masked(q_next, rows.active)
+    while not ranks.all(rows.done()):
         lengths = rows.active.long()
         target_snapshot, draft_snapshot = target_cache.snapshot(), draft_cache.snapshot()
         drafts, q = [], []
         for _ in range(k):
             q.append(_processed(q_next, temperature, top_p))
             drafts.append(_draw(q[-1], greedy, generator))
-            q_next = _last(draft.decode(drafts[-1][:, None], draft_cache, lengths=lengths),
-                           lengths, rows.active)
+            q_next = last(draft, drafts[-1][:, None], draft_cache, lengths)
         drafts_t = torch.stack(drafts, dim=1)
         scored = _masked(model.decode(drafts_t, target_cache, lengths=lengths * k),
                          rows.active)
@@ -102,16 +109,16 @@ def speculative_rounds(model: K3Model, draft: K3Model, prompts, rows: _Rows, k: 
         kept = n.tolist()  # the round's host read
         tokens = [row[:m + 1] for row, m in zip(new.tolist(), kept)]
         taken = rows.append(tokens, [row[:m + 1] for row, m in zip(logprobs.tolist(), kept)])
-        if rows.done():
+        if ranks.all(rows.done()):
             return
         # Finished rows take padding positions from here on.
         counts = torch.tensor(taken, device=n.device) * rows.active
-        if all(m == k for m in kept):  # every draft kept: the caches already end at d_k
+        if ranks.all(all(m == k for m in kept)):  # every draft kept: the caches end at d_k
             fed, counts = token[:, None], rows.active.long()
         else:  # back to the round's start, then the kept tokens and the new one
             target_cache = model.new_cache(len(kept), from_snapshot=target_snapshot)
             draft_cache = draft.new_cache(len(kept), from_snapshot=draft_snapshot)
             fed = _padded([row[:c] for row, c in zip(tokens, taken)], model.cfg.pad_token_id,
-                          n.device)
-        p_next = _last(model.decode(fed, target_cache, lengths=counts), counts, rows.active)
-        q_next = _last(draft.decode(fed, draft_cache, lengths=counts), counts, rows.active)
+                          n.device, ranks.max(max(taken))[0])
+        p_next = last(model, fed, target_cache, counts)
+        q_next = last(draft, fed, draft_cache, counts)

@@ -145,6 +145,12 @@ def test_rows_of_different_lengths_equal_each_row_alone(documents):
     prefilled = model.decode(prompt, cache, lengths=torch.tensor(lengths), cu_seqlens=cu)
     decoded, _ = _decode_in_pieces(model, more, 1, cache)
     assert cache.tokens_seen.tolist() == [35, 22, 5] and cache.slots == 35
+    # last_only: the logits at each row's last token alone (a prefill's next-token logits).
+    last = model.decode(prompt, model.new_cache(3), lengths=torch.tensor(lengths),
+                        cu_seqlens=cu, last_only=True)
+    assert last.shape == (3, 1, cfg.vocab_size)
+    for row, n in enumerate(lengths[:2]):
+        assert_close_rms(prefilled[row, n - 1], last[row, 0], EXACT, f"last of row {row}")
     for row, n in enumerate(lengths):
         alone = torch.cat([prompt[row:row + 1, :n], more[row:row + 1]], dim=1)
         row_docs = (docs[row] or [0])[:-1] + [(docs[row] or [0])[-1] + 5]
