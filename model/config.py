@@ -239,7 +239,15 @@ def k3_tiny() -> K3Config:
     ).validate()
 
 
-PRESETS = {"k3_tiny": k3_tiny, "k3_small": k3_small, "k3_full": k3_full}
+def k3_tiny_draft() -> K3Config:
+    """A draft for k3_tiny's speculative decoding (the same vocabulary and tokenizer): two
+    layers (a dense KDA one, a latent MoE MLA one), each as wide as k3_tiny's."""
+    tiny = k3_tiny()
+    return replace(tiny, name="k3_tiny_draft", num_layers=2).validate()
+
+
+PRESETS = {"k3_tiny": k3_tiny, "k3_tiny_draft": k3_tiny_draft, "k3_small": k3_small,
+           "k3_full": k3_full}
 
 
 def preset(name: str) -> K3Config:

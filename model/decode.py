@@ -39,6 +39,7 @@ class DecodeStep:
     # (the cached tail first, in document 0); None without cu_seqlens: one document throughout.
     conv_segments: torch.Tensor | None
     last_document: torch.Tensor | None  # [B] that count at each row's last token (0: no token)
+    checkpoints: bool = False  # the layers record their state after each position (rewind)
 
     @property
     def t(self) -> int:
@@ -65,6 +66,16 @@ class DecodeStep:
             return tail
         current = self.conv_segments.gather(1, index) == self.last_document[:, None]
         return tail * current[..., None]
+
+    def position_windows(self, inputs: torch.Tensor, width: int) -> torch.Tensor:
+        """A convolution's tail after each position [B, t, width, C] from inputs
+        [B, width + t, C] (one document per row): the last `width` inputs up to it, a padding
+        position's those of the row's last token."""
+        upto = torch.minimum(torch.arange(1, self.t + 1, device=inputs.device),
+                             self.lengths[:, None])
+        index = (upto[..., None] + torch.arange(width, device=inputs.device)).flatten(1)
+        windows = inputs.gather(1, index[..., None].expand(-1, -1, inputs.shape[-1]))
+        return windows.view(inputs.shape[0], self.t, width, inputs.shape[-1])
 
     def row_initial_states(self, state: torch.Tensor) -> torch.Tensor:
         """The KDA state [B, H, K, V] each row starts from with one document per row: the
@@ -99,10 +110,12 @@ class DecodeStep:
 
 
 def extend(cache: DecodeCache, t: int, lengths: Lengths, cu_seqlens: torch.Tensor | None,
-           conv_width: int, fresh: torch.Tensor | None = None) -> DecodeStep:
+           conv_width: int, fresh: torch.Tensor | None = None,
+           checkpoints: bool = False) -> DecodeStep:
     """Records a call's t positions per row in `cache` (slots, their documents, tokens seen, the
     current documents) and returns where they went; the layers then write their own parts.
-    `fresh` [B] bool: rows whose first position starts a document."""
+    `fresh` [B] bool: rows whose first position starts a document; `checkpoints`: the tokens
+    seen after each position are recorded for DecodeCache.rewind."""
     B, device = cache.batch_size, cache.document.device
     positions = torch.arange(t, device=device)
     if lengths is None:
@@ -130,6 +143,8 @@ def extend(cache: DecodeCache, t: int, lengths: Lengths, cu_seqlens: torch.Tenso
         last_document = torch.where(has_tokens, local.gather(1, last_token).squeeze(1), 0)
         documents = cache.document[:, None] + local
     query_documents = documents if valid is None else torch.where(valid, documents, -1)
+    if checkpoints:
+        cache.record(cache.tokens_seen[:, None] + torch.minimum(positions + 1, lengths[:, None]))
     offset = cache.slots
     cache.reserve(offset + t)
     cache.slot_documents[:, offset:offset + t] = query_documents
@@ -138,7 +153,8 @@ def extend(cache: DecodeCache, t: int, lengths: Lengths, cu_seqlens: torch.Tenso
     cache.document = torch.where(has_tokens, documents.gather(1, last_token).squeeze(1),
                                  cache.document)
     return DecodeStep(offset, lengths, valid, cu_seqlens, fresh, query_documents,
-                      cache.slot_documents[:, :offset + t], conv_segments, last_document)
+                      cache.slot_documents[:, :offset + t], conv_segments, last_document,
+                      checkpoints)
 
 
 def piece(lengths: Lengths, cu_seqlens: torch.Tensor | None, B: int, t: int, start: int,
@@ -160,7 +176,8 @@ def piece(lengths: Lengths, cu_seqlens: torch.Tensor | None, B: int, t: int, sta
 
 
 def check_inputs(model, tokens: torch.Tensor, cache, lengths: Lengths,
-                 cu_seqlens: torch.Tensor | None, vision: VisionInput | None) -> None:
+                 cu_seqlens: torch.Tensor | None, vision: VisionInput | None,
+                 checkpoints: bool = False) -> None:
     """Clear errors, naming the argument, for inputs a decode call cannot take. Values are
     checked where they are on the host (no sync for device tensors)."""
     if isinstance(cache, CacheSnapshot):
@@ -185,6 +202,9 @@ def check_inputs(model, tokens: torch.Tensor, cache, lengths: Lengths,
         _check_lengths(torch.as_tensor(lengths), B, t)
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, B, t)
+    if checkpoints and cu_seqlens is not None:
+        raise ValueError("checkpoints=True takes one document per row: give no cu_seqlens "
+                         "(a rewind keeps positions of the row's current document)")
     if vision is not None and model.vision is None:
         raise ValueError("vision was given but the model has no vision tower (model.vision)")
 

@@ -225,19 +225,23 @@ class K3Model(nn.Module):
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: DecodeCache,
                lengths: Lengths = None, cu_seqlens: torch.Tensor | None = None,
-               vision: VisionInput | None = None, last_only: bool = False) -> torch.Tensor:
+               vision: VisionInput | None = None, last_only: bool = False,
+               checkpoints: bool = False) -> torch.Tensor:
         """fp32 (float64 in a float64 model) logits [B, t, V] of tokens [B, t] after what
         `cache` holds, which then holds these positions too. t > 1 is a prefill. lengths [B]:
         each row's tokens, the rest of its t positions padding (default: all t); cu_seqlens:
         documents over the B*t positions as in K3Batch, the first of each row continuing its
         cached one; vision: the prompt's images as in K3Batch; last_only: the logits at each
         row's last token only [B, 1, V] (a prefill's next-token logits; unspecified for a row
-        without tokens). Quantile Balancing routes with its bias as it is and gathers no
-        statistics. docs/model.md, "Decoding"."""
-        check_inputs(self, tokens, cache, lengths, cu_seqlens, vision)
+        without tokens); checkpoints: the KDA states after each position are recorded, so that
+        `cache.rewind(keep)` can keep any prefix of each row's positions since the first such
+        call (one document per row). Quantile Balancing routes with its bias as it is and
+        gathers no statistics. docs/model.md, "Decoding"."""
+        check_inputs(self, tokens, cache, lengths, cu_seqlens, vision, checkpoints)
         with statistics_paused(self.balancers()):
             return self._decode_embedded(self.embed_tokens(tokens, vision), cache, lengths,
-                                         cu_seqlens, last_only=last_only)
+                                         cu_seqlens, last_only=last_only,
+                                         checkpoints=checkpoints)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, cache: DecodeCache, snapshot_every: int,
@@ -266,9 +270,9 @@ class K3Model(nn.Module):
     def _decode_embedded(self, x: torch.Tensor, cache: DecodeCache, lengths: Lengths,
                          cu_seqlens: torch.Tensor | None,
                          fresh: torch.Tensor | None = None,
-                         last_only: bool = False) -> torch.Tensor:
+                         last_only: bool = False, checkpoints: bool = False) -> torch.Tensor:
         width = self.cfg.kda.conv_kernel - 1
-        step = extend(cache, x.shape[1], lengths, cu_seqlens, width, fresh)
+        step = extend(cache, x.shape[1], lengths, cu_seqlens, width, fresh, checkpoints)
         state = BlockState(x, self.cfg.attnres_block_size)
         self._each_layer(state, None, lambda layer, blocks, partial: layer.decode(
             blocks, partial, cache.layers[str(layer.index)], step))

@@ -139,16 +139,24 @@ class KimiDeltaAttention(nn.Module):
     def decode(self, x: torch.Tensor, cache: KDACache, step: DecodeStep) -> torch.Tensor:
         """forward for the positions of one decode call (model/decode.py), continuing each
         row's cached state and convolution inputs and leaving the new ones in `cache`."""
-        convolved, tails = [], []
+        convolved, tails, convolved_inputs = [], [], []
         for (proj, conv), tail in zip(self._convolutions(), cache.conv_tails):
             inputs = proj(x)
             inputs = torch.cat([tail.to(inputs.dtype), inputs], dim=1)
             convolved.append(conv.continued(inputs, step.conv_segments))
             tails.append(step.last_inputs(inputs, conv.width))
+            convolved_inputs.append(inputs)
+        if step.checkpoints:
+            windows = [step.position_windows(inputs, conv.width) for inputs, (_, conv)
+                       in zip(convolved_inputs, self._convolutions())]
         cache.conv_tails = tails
         q, k, v, g, beta = self._recurrence_inputs(x, *convolved)
         g, beta = step.without_padding(g, beta)
-        if step.t == 1 or step.cu_seqlens is None:  # one document per row
+        if step.checkpoints:  # the state after each position: the recurrence step by step
+            o, states = self._stepwise(q, k, v, g, beta, step.row_initial_states(cache.state))
+            cache.record(states, windows)
+            cache.state = states[:, -1]
+        elif step.t == 1 or step.cu_seqlens is None:  # one document per row
             op = self.step_op if step.t == 1 else self._chunk_form()
             o, cache.state = op(q, k, v, g, beta, initial_state=step.row_initial_states(
                 cache.state), output_final_state=True)
@@ -159,6 +167,18 @@ class KimiDeltaAttention(nn.Module):
                 cu_seqlens=step.cu_seqlens)
             o, cache.state = o.view(v.shape), step.row_final_states(states, cache.state)
         return self._output(o, x)
+
+    def _stepwise(self, q, k, v, g, beta, state):
+        """(o [B, t, H, V], the state after each position [B, t, H, K, V]) by the recurrence's
+        single step, position after position, from `state`."""
+        outputs, states = [], []
+        for j in range(q.shape[1]):
+            o, state = self.step_op(q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1],
+                                    g[:, j:j + 1], beta[:, j:j + 1], initial_state=state,
+                                    output_final_state=True)
+            outputs.append(o)
+            states.append(state)
+        return torch.cat(outputs, dim=1), torch.stack(states, dim=1)
 
     def new_cache(self, batch_size: int) -> KDACache:
         """Zero state and no earlier convolution inputs for `batch_size` rows."""

@@ -159,11 +159,13 @@ class _Rows:
 
 def _prefill(model: K3Model, prompts: Sequence[Sequence[int]], width: int):
     """(cache, each row's next-token logits [B, V]) after the prompts right-padded to
-    `width`."""
+    `width`; width 0 (every prompt empty): an empty cache and no logits."""
+    cache = model.new_cache(len(prompts))
+    if width == 0:
+        return cache, None
     device = model.embed.weight.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     tokens = _padded([list(p) for p in prompts], model.cfg.pad_token_id, device, width)
-    cache = model.new_cache(len(prompts))
     logits = model.decode(tokens, cache, lengths=lengths, last_only=True)
     return cache, logits[:, 0]
 
@@ -203,6 +205,17 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                          f">= 0")
     if speculative_tokens > 0 and draft is None:
         raise ValueError(f"speculative_tokens={speculative_tokens} needs a draft model")
+    if speculative_tokens > 0:
+        # Rejected drafts leave their slots behind as padding (DecodeCache.rewind): a round
+        # takes k + 1 of them and yields at least one token.
+        longest, limit = max(len(p) for p in prompts), min(model.cfg.max_seq_len,
+                                                            draft.cfg.max_seq_len)
+        if longest - 1 + max_new_tokens * (speculative_tokens + 1) > limit:
+            raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens="
+                             f"{max_new_tokens} rounds of speculative_tokens="
+                             f"{speculative_tokens} + 1 slots may exceed max_seq_len={limit} "
+                             f"(the model's or the draft's): fewer speculative_tokens or "
+                             f"max_new_tokens")
     if max_new_tokens == 0:
         return [Completion() for _ in prompts]
     device = model.embed.weight.device

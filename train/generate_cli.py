@@ -6,6 +6,8 @@ JSONL file, tokenised with the run's tokenizer; one JSON line per prompt, printe
     k3-generate export_dir=outputs/k3_tiny/export tokenizer=outputs/data/tokenizer.json \
         prompts_file=prompts.jsonl output=completions.jsonl temperature=0.7 top_p=0.9 seed=1
 
+    k3-generate run_dir=outputs/k3_tiny draft_run_dir=outputs/k3_tiny_draft prompt="The river"
+
 Each output line: {"prompt", "completion" (the decoded new tokens), "tokens", "logprobs",
 "finish_reason"}. A prompts file holds one {"prompt": str} per line. The run's tokenizer is the
 one its data was tokenised with: `data.tokenizer.path` of the run's config when set, else
@@ -13,6 +15,9 @@ one its data was tokenised with: `data.tokenizer.path` of the run's config when 
 the end-of-document token (`<eod>`, what ends every training document) unless `stop_tokens`
 says otherwise (an empty list: the budget only). Prompts are decoded `batch_size` at a time; a
 batch's sampling seed is `seed` plus the index of its first prompt, so a run is reproducible.
+With a draft (`draft_run_dir=` or `draft_export_dir=`, a K3 trained with the same tokenizer) the
+draft proposes `speculative_tokens` tokens a round that the model verifies in one call: the same
+completions as without it (greedy) or the same distribution (sampling).
 An existing `output` file is never overwritten.
 """
 
@@ -50,6 +55,12 @@ class GenerateConfig:
     stop_tokens: list[str] = field(default_factory=lambda: ["<eod>"])
     batch_size: int = 8  # prompts decoded together
     device: str = "auto"
+    # Speculative decoding: a draft K3 of the same tokenizer (a k3-train run, e.g. of
+    # model=k3_tiny_draft on the same data, or a k3-export directory) proposing
+    # speculative_tokens a round.
+    draft_run_dir: str | None = None
+    draft_export_dir: str | None = None
+    speculative_tokens: int = 4
 
 
 def _run_tokenizer_path(run_dir: Path) -> Path:
@@ -68,33 +79,53 @@ def _run_tokenizer_path(run_dir: Path) -> Path:
 
 
 def load_model_and_tokenizer(cfg: GenerateConfig):
-    """(the model in eval mode on the CPU, the tokenizer) from a run or an export."""
-    import warnings
-
+    """(the model in eval mode on the CPU, the tokenizer, the draft model or None) from a run
+    or an export (and the draft's)."""
     from data_pipeline.tokenizer import load_tokenizer
-
-    from .export import latest_checkpoint, load_checkpoint_model, load_exported, read_run_config
 
     if (cfg.run_dir is None) == (cfg.export_dir is None):
         raise ConfigError("give exactly one of run_dir (a k3-train run) or export_dir (a "
                           "k3-export directory)")
-    if cfg.run_dir is not None:
-        run_dir = Path(cfg.run_dir)
-        tokenizer_path = Path(cfg.tokenizer) if cfg.tokenizer else _run_tokenizer_path(run_dir)
-        model_cfg, _ = read_run_config(run_dir)
-        checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else latest_checkpoint(run_dir)
-        with warnings.catch_warnings():  # DCP reading into one process is what is meant here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            model = load_checkpoint_model(model_cfg, checkpoint).eval()
-    else:
-        if cfg.tokenizer is None:
-            raise ConfigError("export_dir needs tokenizer=PATH (the tokenizer.json the run's "
-                              "data was tokenised with)")
-        tokenizer_path = Path(cfg.tokenizer)
-        model = load_exported(cfg.export_dir)
+    if cfg.export_dir is not None and cfg.tokenizer is None:
+        raise ConfigError("export_dir needs tokenizer=PATH (the tokenizer.json the run's data "
+                          "was tokenised with)")
+    model, run_tokenizer = load_model(cfg.run_dir, cfg.checkpoint, cfg.export_dir)
+    tokenizer_path = Path(cfg.tokenizer) if cfg.tokenizer else run_tokenizer
     if not tokenizer_path.exists():
         raise ConfigError(f"tokenizer {tokenizer_path} does not exist: give tokenizer=PATH")
-    return model, load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    draft = None
+    if cfg.draft_run_dir is not None and cfg.draft_export_dir is not None:
+        raise ConfigError("give at most one of draft_run_dir or draft_export_dir")
+    if cfg.draft_run_dir is not None or cfg.draft_export_dir is not None:
+        if cfg.speculative_tokens < 1:
+            raise ConfigError(f"speculative_tokens={cfg.speculative_tokens} is invalid with a "
+                              f"draft: must be >= 1")
+        draft, draft_tokenizer = load_model(cfg.draft_run_dir, None, cfg.draft_export_dir)
+        if draft_tokenizer is not None and (not draft_tokenizer.exists() or load_tokenizer(
+                draft_tokenizer).to_str() != tokenizer.to_str()):
+            raise ConfigError(f"draft_run_dir={cfg.draft_run_dir!r} was trained with tokenizer "
+                              f"{draft_tokenizer}, not the model's {tokenizer_path}: a draft "
+                              f"proposes the model's tokens")
+    return model, tokenizer, draft
+
+
+def load_model(run_dir: str | None, checkpoint: str | None, export_dir: str | None):
+    """(the model in eval mode, the run's tokenizer path or None for an export) from a run's
+    checkpoint (the newest unless `checkpoint`) or a k3-export directory."""
+    import warnings
+
+    from .export import latest_checkpoint, load_checkpoint_model, load_exported, read_run_config
+
+    if run_dir is None:
+        return load_exported(export_dir), None
+    run = Path(run_dir)
+    model_cfg, _ = read_run_config(run)
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(run)
+    with warnings.catch_warnings():  # DCP reading into one process is what is meant here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        model = load_checkpoint_model(model_cfg, path).eval()
+    return model, _run_tokenizer_path(run)
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
@@ -123,10 +154,11 @@ def run(cfg: GenerateConfig) -> list[dict]:
     if cfg.output is not None and Path(cfg.output).exists():
         raise ConfigError(f"output={cfg.output!r} exists: k3-generate does not overwrite a "
                           f"file, give another path")
-    model, tokenizer = load_model_and_tokenizer(cfg)
+    model, tokenizer, draft = load_model_and_tokenizer(cfg)
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else "cpu" if cfg.device == "auto" else cfg.device)
     model = model.to(device)
+    draft = draft.to(device) if draft is not None else None
     stops = []
     for name in cfg.stop_tokens:
         token = tokenizer.token_to_id(name)
@@ -143,7 +175,8 @@ def run(cfg: GenerateConfig) -> list[dict]:
                 raise ConfigError(f"prompt {start + i} tokenises to nothing: {batch[i]!r}")
         for text, completion in zip(batch, sample(
                 model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed + start,
-                stops), strict=True):
+                stops, draft, cfg.speculative_tokens if draft is not None else 0),
+                strict=True):
             records.append({"prompt": text, "completion": tokenizer.decode(completion.tokens),
                             "tokens": completion.tokens, "logprobs": completion.logprobs,
                             "finish_reason": completion.finish_reason})

@@ -10,11 +10,12 @@ kept with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the ro
 is drawn from max(0, p_j - q_j) renormalised, and when all k are kept from p_{k+1}. Greedy keeps
 d_j while it is the target's argmax, then takes the target's argmax.
 
-Rolling back: a row's caches must end at its last kept token, while the proposal and the
-verification wrote all k. The caches are snapshotted before each round and, unless every row
-kept everything, restored and fed the kept tokens with the new one (per-row lengths): KDA's
-states and convolution tails end where they should by recomputing those positions (at most
-k + 1 per row), not from per-position states, which the chunk form does not return.
+One target call a round: the row's last accepted token (not yet in the target's cache) and the k
+drafts, k + 1 positions whose logits are p_1 .. p_{k+1}. Both models decode the round with
+checkpoints (the KDA states after each position) and each row rewinds to its last accepted
+token (`DecodeCache.rewind`): nothing is recomputed; a rejected draft's slot stays behind as
+padding. The draft's cache lags by its pending tokens: the round's new token, and the last draft
+when all k were kept (the draft never decoded it).
 """
 
 from __future__ import annotations
@@ -73,52 +74,58 @@ def _draw(logprobs: torch.Tensor, greedy: bool, generator) -> torch.Tensor:
 def speculative_rounds(model: K3Model, draft: K3Model, prompts, width: int, rows: _Rows, k: int,
                        temperature: float, top_p: float, generator, ranks: _Ranks) -> None:
     """Fills `rows` (train.generate) round by round until every rank's rows are done; the
-    prompts right-padded to `width`. The ranks of a layout take the same branch and widths."""
+    prompts right-padded to `width`. The ranks of a layout decode calls of the same widths."""
     if draft.cfg.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"draft has vocab_size={draft.cfg.vocab_size}, the model "
                          f"{model.cfg.vocab_size}: a draft proposes the model's tokens")
     greedy = temperature == 0
-
-    def last(m: K3Model, tokens, cache, lengths) -> torch.Tensor:
-        """Next-token logits after each row's last token; zeros for finished rows."""
-        return _masked(m.decode(tokens, cache, lengths=lengths, last_only=True)[:, 0],
-                       rows.active)
-
-    target_cache, p_next = _prefill(model, prompts, width)
-    draft_cache, q_next = _prefill(draft, prompts, width)
-    p_next, q_next = _masked(p_next, rows.active), _masked(q_next, rows.active)
+    device, pad = rows.active.device, model.cfg.pad_token_id
+    # Every prompt but its last token is prefilled; the last is fed with the first round.
+    heads = [list(p[:-1]) for p in prompts]
+    target_cache, draft_cache = (_prefill(m, heads, width - 1)[0] for m in (model, draft))
+    last = torch.tensor([p[-1] if p else pad for p in prompts], device=device)
+    pending = [[p[-1]] if p else [] for p in prompts]  # accepted, not in the draft's cache yet
     while not ranks.all(rows.done()):
-        lengths = rows.active.long()
-        target_snapshot, draft_snapshot = target_cache.snapshot(), draft_cache.snapshot()
+        active, live = rows.active.clone(), [not rows.finished(c) for c in rows.completions]
+        ones = active.long()
+        # The draft: its pending tokens, then each draft but the last.
+        lags = ranks.max(max(len(x) for x, a in zip(pending, live) if a) if any(live) else 1)[0]
+        fed = _padded([x if a else [] for x, a in zip(pending, live)], pad, device, lags)
+        counts = torch.tensor([len(x) for x in pending], device=device) * active
+        q_logits = _next_logits(draft, fed, draft_cache, counts, active)
         drafts, q = [], []
-        for _ in range(k):
-            q.append(_processed(q_next, temperature, top_p))
+        for j in range(k):
+            q.append(_processed(q_logits, temperature, top_p))
             drafts.append(_draw(q[-1], greedy, generator))
-            q_next = last(draft, drafts[-1][:, None], draft_cache, lengths)
+            if j < k - 1:
+                q_logits = _next_logits(draft, drafts[-1][:, None], draft_cache, ones, active)
         drafts_t = torch.stack(drafts, dim=1)
-        scored = _masked(model.decode(drafts_t, target_cache, lengths=lengths * k),
-                         rows.active)
-        p_logits = torch.cat([p_next[:, None], scored], dim=1)  # p_1 .. p_{k+1}
+        # The target: the last accepted token and the drafts, p_1 .. p_{k+1} in one call.
+        p_logits = _masked(model.decode(torch.cat([last[:, None], drafts_t], dim=1),
+                                        target_cache, lengths=ones * (k + 1),
+                                        checkpoints=True), active)
         n, token = verify(_processed(p_logits, temperature, top_p), torch.stack(q, dim=1),
                           drafts_t, greedy, generator)
         # Log-probabilities as plain sampling reports them (before top-p).
         reported = next_token_distribution(p_logits, temperature)
         new = torch.cat([drafts_t, token[:, None]], dim=1)
         new[torch.arange(len(new)), n] = token  # the kept drafts, then the row's own token
-        logprobs = reported[:, :k + 1].gather(-1, new[..., None]).squeeze(-1)
-        kept = n.tolist()  # the round's host read
-        tokens = [row[:m + 1] for row, m in zip(new.tolist(), kept)]
-        taken = rows.append(tokens, [row[:m + 1] for row, m in zip(logprobs.tolist(), kept)])
+        logprobs = reported.gather(-1, new[..., None]).squeeze(-1)
+        kept, new_rows = n.tolist(), new.tolist()  # the round's host reads
+        tokens = [row[:m + 1] for row, m in zip(new_rows, kept)]
+        rows.append(tokens, [row[:m + 1] for row, m in zip(logprobs.tolist(), kept)])
         if ranks.all(rows.done()):
             return
-        # Finished rows take padding positions from here on.
-        counts = torch.tensor(taken, device=n.device) * rows.active
-        if ranks.all(all(m == k for m in kept)):  # every draft kept: the caches end at d_k
-            fed, counts = token[:, None], rows.active.long()
-        else:  # back to the round's start, then the kept tokens and the new one
-            target_cache = model.new_cache(len(kept), from_snapshot=target_snapshot)
-            draft_cache = draft.new_cache(len(kept), from_snapshot=draft_snapshot)
-            fed = _padded([row[:c] for row, c in zip(tokens, taken)], model.cfg.pad_token_id,
-                          n.device, ranks.max(max(taken))[0])
-        p_next = last(model, fed, target_cache, counts)
-        q_next = last(draft, fed, draft_cache, counts)
+        target_cache.rewind((n + 1) * ones)
+        draft_cache.rewind((lags + n.clamp(max=k - 1)) * ones)
+        last = token
+        pending = [[row[k - 1], row[m]] if m == k else [row[m]]
+                   for row, m in zip(new_rows, kept)]
+
+
+def _next_logits(model: K3Model, tokens: torch.Tensor, cache, lengths: torch.Tensor,
+                 active: torch.Tensor) -> torch.Tensor:
+    """Next-token logits [B, V] after each row's last token of a call with checkpoints; zeros
+    for rows not `active`."""
+    logits = model.decode(tokens, cache, lengths=lengths, last_only=True, checkpoints=True)
+    return _masked(logits[:, 0], active)

@@ -5,6 +5,7 @@ engine gives the same weights in-process; refusals named."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -89,11 +90,42 @@ def test_an_export_completes_a_prompts_file_into_jsonl(run_dir, sample_data_dir,
     assert [json.loads(line) for line in output.read_text().splitlines()] == records
 
 
+def test_a_draft_run_speculates_the_same_greedy_completion(run_dir):
+    """draft_run_dir (here the run itself: every draft kept, rounds of k + 1 tokens) gives the
+    completion plain decoding gives."""
+    run_path = str(run_dir[0])
+    plain, fast = (run(GenerateConfig(run_dir=run_path, prompt=PROMPTS[1], max_new_tokens=7,
+                                      stop_tokens=[], **draft))
+                   for draft in ({}, dict(draft_run_dir=run_path, speculative_tokens=3)))
+    assert fast[0]["tokens"] == plain[0]["tokens"] and len(plain[0]["tokens"]) == 7
+    assert fast[0]["logprobs"] == pytest.approx(plain[0]["logprobs"], abs=1e-5)
+
+
+def test_a_draft_trained_with_another_tokenizer_is_refused(run_dir, sample_data_dir, tmp_path):
+    run_path = run_dir[0]
+    other = tmp_path / "draft"
+    shutil.copytree(run_path, other)
+    tokenizer = json.loads((sample_data_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]  # two words' ids swapped: other ids, same words
+    a, b = [w for w in vocab if w.isalpha() and len(w) > 3][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "other.json").write_text(json.dumps(tokenizer))
+    config = OmegaConf.load(other / ".hydra" / "config.yaml")
+    config.data.tokenizer.path = str(tmp_path / "other.json")
+    OmegaConf.save(config, other / ".hydra" / "config.yaml")
+    with pytest.raises(ConfigError, match="draft_run_dir=.* was trained with tokenizer"):
+        run(GenerateConfig(run_dir=str(run_path), draft_run_dir=str(other), prompt="a"))
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(), "exactly one of run_dir"),
     (dict(export_dir="x"), "export_dir needs tokenizer"),
     (dict(run_dir="RUN", prompt="a", prompts_file="p.jsonl"), "exactly one of prompt"),
     (dict(run_dir="RUN", prompt="a", stop_tokens=["<nope>"]), "'<nope>' is not a token"),
+    (dict(run_dir="RUN", prompt="a", draft_run_dir="RUN", speculative_tokens=0),
+     "speculative_tokens=0 is invalid"),
+    (dict(run_dir="RUN", prompt="a", draft_run_dir="RUN", draft_export_dir="x"),
+     "at most one of draft_run_dir"),
 ])
 def test_refusals_name_the_field(run_dir, fields, message):
     fields = {k: str(run_dir[0]) if v == "RUN" else v for k, v in fields.items()}
