@@ -31,7 +31,11 @@ from train.generate_cli import load_model
 def _prompts(tokenizer, count: int) -> list[list[int]]:
     texts = []
     for path in sorted(Path("data_pipeline/sample/text/web").glob("*.jsonl")):
-        texts += [json.loads(line)["text"] for line in path.read_text().splitlines()]
+        for line in path.read_bytes().splitlines():
+            try:  # the sample's deliberately broken records are skipped
+                texts.append(json.loads(line.decode("utf-8"))["text"])
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+                continue
     return [encode_text(tokenizer, " ".join(text.split()[:7])) for text in texts[:count]]
 
 

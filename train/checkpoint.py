@@ -33,7 +33,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -168,6 +174,33 @@ class Checkpointer:
         _barrier()
         return final
 
+    def load_weights(self, path: Path, model: torch.nn.Module) -> None:
+        """The model's parameters and buffers only (no optimizer state, step or loader
+        position), saved at any layout, into this layout; checksums checked first."""
+        check(path, self.rank, self.world_size)
+        self._load_states(path, model, [])
+
+    def _load_states(self, path: Path, model: torch.nn.Module,
+                     optimizers: list[torch.optim.Optimizer]) -> None:
+        # get_state_dict creates the optimizer state (a zero step) that DCP loads into.
+        model_sd, optim_sd = (get_state_dict(model, optimizers, options=OPTIONS) if optimizers
+                              else (get_model_state_dict(model, options=OPTIONS), {}))
+        if self.sharded is not None:
+            model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
+        (model_sd, model_strided), (optim_sd, optim_strided) = (_whole_for_load(model_sd),
+                                                                _whole_for_load(optim_sd))
+        state = {"model": model_sd, **({"optim": optim_sd} if optimizers else {})}
+        safe_dcp_load(state, path)
+        model_sd = _reshard_loaded(state["model"], model_strided)
+        optim_sd = _reshard_loaded(state.get("optim", {}), optim_strided)
+        if self.sharded is not None:
+            model_sd, optim_sd = self.sharded.unwrap(model_sd, optim_sd)
+        if optimizers:
+            set_state_dict(model, optimizers, model_state_dict=model_sd,
+                           optim_state_dict=optim_sd, options=OPTIONS)
+        else:
+            set_model_state_dict(model, model_sd, options=OPTIONS)
+
     def _prune(self) -> None:
         for stale in self.root.glob("step_*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -181,20 +214,7 @@ class Checkpointer:
         if not verified:
             check(path, self.rank, self.world_size)
         meta = json.loads((path / COMPLETE).read_text())
-        # get_state_dict creates the optimizer state (a zero step) that DCP loads into.
-        model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
-        if self.sharded is not None:
-            model_sd, optim_sd = self.sharded.wrap(model_sd, optim_sd)
-        (model_sd, model_strided), (optim_sd, optim_strided) = (_whole_for_load(model_sd),
-                                                                _whole_for_load(optim_sd))
-        state = {"model": model_sd, "optim": optim_sd}
-        safe_dcp_load(state, path)
-        model_sd = _reshard_loaded(state["model"], model_strided)
-        optim_sd = _reshard_loaded(state["optim"], optim_strided)
-        if self.sharded is not None:
-            model_sd, optim_sd = self.sharded.unwrap(model_sd, optim_sd)
-        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=OPTIONS)
+        self._load_states(path, model, optimizers)
         own = rank_file(path, self.rank)
         # Saved by fewer ranks: the side state (global loader position, RNG) is the same on all.
         restore_rank_state(read_rank_state(own if own.is_file() else rank_file(path, 0)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from data_pipeline.config import DataConfig, StageConfig
 from data_pipeline.pipeline import is_prepared
@@ -140,6 +141,9 @@ class TrainConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     run_dir: str = "outputs/run"
+    # The model's weights at the first start: a k3-train run, one of its checkpoints or a
+    # k3-export directory (train/init_from.py); null: initialised from `seed`.
+    init_from: str | None = None
     steps: int = 150
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
@@ -300,4 +304,17 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
     check_no_secrets(cfg)
     if data:
         check_model_matches_data(cfg)
+    if cfg.init_from is not None:
+        _check_init_from(cfg)
     return cfg
+
+
+def _check_init_from(cfg: TrainConfig) -> None:
+    from .init_from import check_same_model, resolve
+
+    source = resolve(cfg.init_from)
+    run_dir = Path(cfg.run_dir).resolve()
+    if run_dir == source.path.resolve() or run_dir in source.path.resolve().parents:
+        _fail("init_from", cfg.init_from, f"lies inside run_dir={cfg.run_dir!r}, whose own "
+              f"checkpoints the run would resume from: give this run another run_dir")
+    check_same_model(source, cfg.model)

@@ -30,6 +30,8 @@ from .data import build_loader
 from .distributed import DistEnv, init_distributed, init_topology, shutdown
 from .flops import PeakFlops, training_flops_per_token, vision_training_flops
 from .host_allocator import keep_freed_host_memory
+from .init_from import load_initial_weights
+from .init_from import resolve as resolve_init_source
 from .metrics import MetricsLogger
 from .optim.factory import build_optimizer, describe_groups, set_lr
 from .optim.qk_clip import QKClip
@@ -234,8 +236,17 @@ def train(cfg: TrainConfig) -> int:
         if switched and switched[0] is not None and env.is_main:
             log.info("stage %s continues the run (%s): its data from loader step %d",
                      cfg.stage.name, switched[0], loader.step)
+    started_from = None
+    if latest is None and cfg.init_from is not None:
+        source = resolve_init_source(cfg.init_from)
+        load_initial_weights(source, model, ckpt)
+        started_from = f"{source.kind} {source.path.resolve()}"
+        if env.is_main:
+            log.info("model weights from %s", started_from)
     metrics = MetricsLogger(run_dir, env.rank, cfg.logging, cfg.steps, step,
                             run_config=asdict(cfg))
+    if started_from is not None:
+        metrics.note("init/source", started_from)
     if fallbacks:
         metrics.note("resume/rejected_checkpoints", " | ".join(fallbacks))
     validator = (Validator(cfg, manifest_path(Path(cfg.data.output_dir).resolve()), dp_rank,
