@@ -225,11 +225,11 @@ class TokenizerConfig:
     min_frequency: int = 2
 
     def validate(self, path: str) -> None:
-        from .tokenizer import SPECIAL_TOKENS
+        from .tokenizer import RESERVED_TOKENS
 
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+        if self.vocab_size < 256 + len(RESERVED_TOKENS):
             _fail(f"{path}.vocab_size", self.vocab_size,
-                  f"must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
+                  f"must be >= {256 + len(RESERVED_TOKENS)} (bytes + special tokens)")
         _positive(f"{path}.min_frequency", self.min_frequency)
 
 
