@@ -25,6 +25,8 @@ setup(
         "pyarrow>=14",
         "xxhash",
         "tokenizers>=0.19",
+        # chat templates (data_pipeline.chat) are untrusted code; 3.1.6 fixes sandbox escapes
+        "jinja2>=3.1.6",
         "pillow>=10",
         "safetensors>=0.4",
         "deepspeed>=0.15",
@@ -32,7 +34,11 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6",
-                "torchao>=0.10", "gfloat>=0.4", "import-linter>=2.0"],
+                "torchao>=0.10", "gfloat>=0.4", "import-linter>=2.0",
+                # test_chat.py checks data_pipeline.chat against apply_chat_template; 5.25 is the
+                # version tested, and it accepts the tokenizers 0.23 / huggingface_hub 2.4 /
+                # safetensors 0.8 installed beside it without changing them
+                "transformers>=5.25,<6"],
         "gpu": ["transformer-engine[pytorch]>=2.0", "fla-core>=0.4"],
     },
     entry_points={
