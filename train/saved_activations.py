@@ -96,31 +96,58 @@ def _meta_batch(cfg: K3Config, micro_batch: int, seq_len: int) -> K3Batch:
 def traced_layer_bytes(cfg: K3Config, micro_batch: int, seq_len: int,
                        dtype: torch.dtype = torch.bfloat16) -> list[int]:
     """Saved bytes of each decoder layer (training mode, one micro-batch), traced on the meta
-    device; layers alike in kind, MLP and number of AttnRes sources are traced once."""
-    batch = _meta_batch(cfg, micro_batch, seq_len)
-    hidden = (micro_batch, seq_len, cfg.hidden_size)
-    token_mask = batch.tokens != cfg.pad_token_id
-    traced: dict[tuple, int] = {}
+    device. A layer's bytes are its attention and MLP's (by kind and MLP: traced once each) plus
+    what its depth mixes keep for its number of AttnRes sources, which is the same whatever the
+    attention and MLP: that part is traced once per source count on the first KDA layer's kind
+    (the cheaper trace) as a difference, so a model of many blocks costs a trace per kind and
+    one per source count, not one per combination."""
+    trace = _LayerTracer(cfg, micro_batch, seq_len, dtype)
+    reference = 1 if cfg.num_layers > 1 else 0  # a layer with depth mixes before both sublayers
+    cores: dict[tuple, tuple[tuple[int, bool], int]] = {}  # kind -> (its first sources, bytes)
     per_layer = []
     for index in range(cfg.num_layers):
-        blocks, with_partial = _sources_at(cfg, index)
-        signature = (cfg.layer_types()[index], cfg.is_moe_layer(index), blocks, with_partial,
-                     index == 0)
-        if signature not in traced:
-            with torch.device("meta"):
-                layer = DecoderLayer(cfg, index).to(dtype)
-                sources = [torch.empty(hidden, dtype=dtype) for _ in range(blocks + 1)]
-            segments = torch.zeros(hidden[:2], dtype=torch.long, device="meta")
-            # The depth mixes keep their sources; a completed block is one storage that every
-            # later mix keeps, counted once: here in the layer that first sees it (a block's
-            # first layer, for the block completed just before it; layer 0 for the embedding).
-            earlier_blocks = sources[:blocks if with_partial else blocks - 1]
-            with SavedBytes([*_model_tensors(layer), *earlier_blocks]) as saved:
-                layer(sources[:blocks], sources[-1] if with_partial else None, batch.cu_seqlens,
-                      segments, token_mask)
-            traced[signature] = saved.bytes
-        per_layer.append(traced[signature])
+        sources = _sources_at(cfg, index)
+        if index == 0:  # no mix before its attention: unlike any other
+            per_layer.append(trace(index, sources))
+            continue
+        kind = (cfg.layer_types()[index], cfg.is_moe_layer(index))
+        if kind not in cores:
+            cores[kind] = (sources, trace(index, sources))
+        first_sources, core = cores[kind]
+        per_layer.append(core + trace(reference, sources) - trace(reference, first_sources))
     return per_layer
+
+
+class _LayerTracer:
+    """trace(index, (blocks, with_partial)) -> the saved bytes of layer `index`'s kind run on
+    that many AttnRes sources (memoised)."""
+
+    def __init__(self, cfg: K3Config, micro_batch: int, seq_len: int, dtype: torch.dtype):
+        self.cfg, self.dtype = cfg, dtype
+        self.batch = _meta_batch(cfg, micro_batch, seq_len)
+        self.hidden = (micro_batch, seq_len, cfg.hidden_size)
+        self.token_mask = self.batch.tokens != cfg.pad_token_id
+        self.traced: dict[tuple, int] = {}
+
+    def __call__(self, index: int, sources: tuple[int, bool]) -> int:
+        key = (index, sources)
+        if key not in self.traced:
+            self.traced[key] = self._trace(index, *sources)
+        return self.traced[key]
+
+    def _trace(self, index: int, blocks: int, with_partial: bool) -> int:
+        with torch.device("meta"):
+            layer = DecoderLayer(self.cfg, index).to(self.dtype)
+            sources = [torch.empty(self.hidden, dtype=self.dtype) for _ in range(blocks + 1)]
+        segments = torch.zeros(self.hidden[:2], dtype=torch.long, device="meta")
+        # The depth mixes keep their sources; a completed block is one storage that every later
+        # mix keeps, counted once: here in the layer that first sees it (a block's first layer,
+        # for the block completed just before it; layer 0 for the embedding).
+        earlier_blocks = sources[:blocks if with_partial else blocks - 1]
+        with SavedBytes([*_model_tensors(layer), *earlier_blocks]) as saved:
+            layer(sources[:blocks], sources[-1] if with_partial else None, self.batch.cu_seqlens,
+                  segments, self.token_mask)
+        return saved.bytes
 
 
 def traced_head_bytes(cfg: K3Config, micro_batch: int, seq_len: int,
