@@ -111,6 +111,41 @@ _SPECIAL_TOKEN_VARIABLES = {"pad_token": SPECIAL_TOKENS[PAD_ID],
                             "eos_token": SPECIAL_TOKENS[EOD_ID]}
 
 
+class NoAssistantTokens(ValueError):
+    """A conversation with nothing to learn from: no assistant message, or a template that renders
+    none of the assistant's text."""
+
+
+def render_chat(messages: list[dict], chat_template: str, tools: list[dict] | None = None,
+                specials=RESERVED_TOKENS) -> tuple[str, list[tuple[int, int]]]:
+    """(text, character spans of the assistant's part) of the conversation rendered with
+    `chat_template`: every check of encode_chat that needs no tokenizer, so that a reader can
+    refuse a conversation before any tokenizer exists. `specials`: the strings a tokenizer
+    would encode as control tokens (a message holding one is refused).
+
+    Raises ValueError naming the field for a malformed conversation, for text in it that holds a
+    special token's string, and for a template that fails to render; NoAssistantTokens (a
+    ValueError) for a conversation whose rendering has no assistant text.
+    """
+    messages = _checked_messages(messages)
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"tools={tools!r} is invalid: a list of tool JSON schemas (dicts)")
+    _check_no_special_text(specials, messages, tools)
+    template = _compile(chat_template)
+    if _marker_tags(chat_template):
+        text, spans = _render(template, messages, tools, add_generation_prompt=False)
+    else:
+        text, spans = _spans_from_prefixes(template, messages, tools)
+    if not any(end > start for start, end in spans):
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        raise NoAssistantTokens(
+            f"messages[{first}] is an assistant message, yet no rendered token is the "
+            "assistant's: the chat template renders nothing for its assistant turns, or its "
+            "{% generation %} markers enclose nothing it rendered")
+    return text, spans
+
+
 def encode_chat(messages: list[dict], tokenizer: Tokenizer, chat_template: str,
                 tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
     """(token ids, loss mask) of the conversation rendered with `chat_template`.
@@ -121,23 +156,13 @@ def encode_chat(messages: list[dict], tokenizer: Tokenizer, chat_template: str,
     is all its message adds to the rendering, so a separator the template writes after the
     end-of-turn token (ChatML's newline) is learned too; markers leave it out.
 
-    Raises ValueError naming the field for a malformed conversation, for text in it that holds a
-    special token's string (it would become a control token), and for a template that fails to
-    render or hides the assistant's turns; ConfigError for a tokenizer without the chat tokens
-    the template uses.
+    Raises what render_chat raises (ValueError naming the field, NoAssistantTokens), and
+    ConfigError for a tokenizer without the chat tokens the template uses.
     """
-    messages = _checked_messages(messages)
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
-        raise ValueError(f"tools={tools!r} is invalid: a list of tool JSON schemas (dicts)")
-    _check_no_special_text(tokenizer, messages, tools)
     check_chat_special_tokens(tokenizer, "the tokenizer",
                               [t for t in RESERVED_TOKENS if t in chat_template])
-    template = _compile(chat_template)
-    if _marker_tags(chat_template):
-        text, spans = _render(template, messages, tools, add_generation_prompt=False)
-    else:
-        text, spans = _spans_from_prefixes(template, messages, tools)
+    specials = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+    text, spans = render_chat(messages, chat_template, tools, specials)
 
     saved = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = False  # the template's <|im_end|> etc. are control tokens
@@ -147,16 +172,12 @@ def encode_chat(messages: list[dict], tokenizer: Tokenizer, chat_template: str,
         tokenizer.encode_special_tokens = saved
 
     # A token is the assistant's if its characters overlap a span; spans come in text order.
+    # Every character is some token's, so a non-empty span (render_chat) masks a token.
     mask, k = [], 0
     for start, end in encoding.offsets:
         while k < len(spans) and start >= spans[k][1]:
             k += 1
         mask.append(k < len(spans) and end > spans[k][0])
-    if not any(mask):
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        raise ValueError(f"messages[{first}] is an assistant message, yet no rendered token is "
-                         "the assistant's: the chat template renders nothing for its assistant "
-                         "turns, or its {% generation %} markers enclose nothing it rendered")
     return encoding.ids, mask
 
 
@@ -225,7 +246,7 @@ def _checked_messages(messages) -> list[dict]:
                              "tool_calls: nothing to learn from")
         checked.append(message)
     if not any(m["role"] == "assistant" for m in checked):
-        raise ValueError(f"messages has no assistant message (roles: "
+        raise NoAssistantTokens(f"messages has no assistant message (roles: "
                          f"{[m['role'] for m in checked]}): nothing to learn from")
     return checked
 
@@ -264,11 +285,9 @@ def _check_tool_calls(calls, where: str) -> None:
                              "is invalid: a JSON string or a dict")
 
 
-def _check_no_special_text(tokenizer: Tokenizer, messages: list[dict],
-                           tools: list[dict] | None) -> None:
+def _check_no_special_text(specials, messages: list[dict], tools: list[dict] | None) -> None:
     """Special-token strings are encoded as control tokens in the rendered chat, so a "<|im_end|>"
     or "<image>" typed in a message would end its turn or stand for an image."""
-    specials = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
     for where, text in [*_strings(messages, "messages"), *_strings(tools, "tools")]:
         found = sorted((s for s in specials if s in text), key=text.index)
         if found:

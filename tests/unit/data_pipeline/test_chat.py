@@ -11,8 +11,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from data_pipeline.chat import (
     K3_CHAT_TEMPLATE,
+    NoAssistantTokens,
     encode_chat,
     load_chat_template,
+    render_chat,
     without_generation_markers,
 )
 from data_pipeline.tokenizer import (
@@ -262,6 +264,27 @@ def test_a_template_hiding_the_assistant_is_refused_not_all_false(tok, template)
                                          r"rendered token is the assistant's"):
         encode_chat(_bad(0), tok, template)
     assert tok.encode_special_tokens
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_render_chat_finds_the_assistant_text_without_a_tokenizer(name):
+    messages, tools = CONVERSATIONS[name]
+    text, spans = render_chat(messages, K3_CHAT_TEMPLATE, tools)
+    assert [text[s:e] for s, e in spans] == ASSISTANT_TEXTS[name]
+
+
+def test_render_chat_refuses_what_a_reader_must_quarantine():
+    hello = [{"role": "user", "content": "hello"}]
+    with pytest.raises(NoAssistantTokens, match="no assistant message"):
+        render_chat(hello, K3_CHAT_TEMPLATE)
+    with pytest.raises(NoAssistantTokens, match=r"messages\[1\] is an assistant message, yet"):
+        render_chat(hello + [{"role": "assistant", "content": "hi"}],
+                    "{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ValueError, match=r"messages\[0\].content contains the special token "
+                                         r"text \['<image>'\]") as error:
+        render_chat([{"role": "user", "content": "a literal <image> tag"},
+                     {"role": "assistant", "content": "ok"}], K3_CHAT_TEMPLATE)
+    assert not isinstance(error.value, NoAssistantTokens)
 
 
 def test_an_old_tokenizer_loads_but_cannot_encode_chats(tmp_path, tok):
