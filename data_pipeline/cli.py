@@ -55,6 +55,10 @@ def format_summary(summary: dict) -> str:
     o = summary["output"]
     lines.append(f"output: {o['tokens']} tokens in {o['rows']} rows of {o['seq_len']} "
                  f"(fill {o['fill']:.1%}); derived documents: {summary['derived'] or 'none'}")
+    for name, counts in o["by_source"].items():
+        if counts.get("truncated") or counts.get("dropped"):
+            lines.append(f"  {name}: conversations longer than {o['seq_len']} tokens: "
+                         f"{counts['truncated']} truncated, {counts['dropped']} dropped")
     for stage, t in summary["timing"].items():
         extra = "".join(f", {k.replace('_per_s', '/s')} {t[k]}" for k in ("docs_per_s",
                                                                           "mb_per_s") if k in t)

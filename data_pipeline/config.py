@@ -22,8 +22,10 @@ MODALITY_FORMATS = {
     "text": ("jsonl", "parquet"),
     "image": ("webdataset", "image_folder", "image_text"),
     "video": ("frame_folder", "video_files"),
+    "chat": ("jsonl",),
 }
 EXECUTORS = ("local", "slurm")
+CHAT_OVERFLOW = ("truncate", "drop")
 
 
 def resolve_path(path: str) -> str:
@@ -56,7 +58,7 @@ class SourceConfig:
     `bundled://x` is data_pipeline/sample/x."""
 
     name: str = "web"
-    modality: str = "text"  # text | image | video
+    modality: str = "text"  # text | image | video | chat (conversations for fine-tuning)
     format: str = "jsonl"  # see MODALITY_FORMATS
     path: str = "bundled://text/web"
     glob: str | None = None  # file pattern inside a folder `path`; null: the format's default
@@ -331,6 +333,10 @@ class DataConfig:
     long_docs: LongDocConfig = field(default_factory=lambda: LongDocConfig(num_docs=8))
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     validation_fraction: float = 0.05  # documents held out (by content hash) for validation
+    # chat sources: the template (a Jinja file or a tokenizer_config.json; null: the K3
+    # default) and what becomes of a conversation longer than the row (truncate | drop)
+    chat_template: str | None = None
+    chat_overflow: str = "truncate"
 
     def check_sources_exist(self, path: str = "data") -> None:
         """Every source path is there and readable (checked before a run reads anything)."""
@@ -357,6 +363,9 @@ class DataConfig:
         self.rephrase.validate(f"{path}.rephrase")
         self.tokenizer.validate(f"{path}.tokenizer")
         _fraction(f"{path}.validation_fraction", self.validation_fraction)
+        if self.chat_overflow not in CHAT_OVERFLOW:
+            _fail(f"{path}.chat_overflow", self.chat_overflow,
+                  f"must be one of {list(CHAT_OVERFLOW)}")
         self.pack.validate(f"{path}.pack")
         self.long_docs.validate(f"{path}.long_docs")
         self.executor.validate(f"{path}.executor")

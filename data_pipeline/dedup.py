@@ -28,7 +28,8 @@ from .config import DedupConfig
 from .imaging import COLOR_VALUES
 from .records import LedgerWriter
 
-MODALITY_CODES = {"text": 0, "image": 1, "video": 2}
+# A conversation is deduplicated as text, on its canonical text (conversations.chat_text).
+MODALITY_CODES = {"text": 0, "chat": 0, "image": 1, "video": 2}
 _WORD = re.compile(r"\w+")
 # odd multipliers that mix the word hashes of an n-gram into one value
 _NGRAM_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,

@@ -158,7 +158,7 @@ class SignatureStep(PipelineStep):
                 rows["ids"].append(doc.id)
                 rows["order"].append(doc.metadata["order"])
                 rows["modality"].append(MODALITY_CODES[modality])
-                if modality == "text":
+                if MODALITY_CODES[modality] == MODALITY_CODES["text"]:
                     sh = word_shingles(doc.text, self.cfg.ngram)
                     rows["exact"].append(exact_hash(doc.text))
                     rows["minhash"].append(hasher.signature(sh))

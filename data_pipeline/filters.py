@@ -4,7 +4,9 @@ Text documents: character length, datatrove's Gopher quality rules (word count, 
 length, symbol/word ratio, bullet and ellipsis lines, alphabetic words, stop words) and Gopher
 repetition rules (duplicate lines/paragraphs, top and duplicated n-grams) with words split by
 GopherWordTokenizer, and an optional classifier score. Image and video documents: caption
-length and raw image geometry.
+length and raw image geometry. Conversations (chat): only the geometry of their pictures; the
+prose rules do not fit dialogue, and a conversation the chat template refuses is quarantined
+when it is read.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .config import DataConfig, ImageConfig
 from .records import LedgerWriter
 
 VISUAL = ("image", "video")
+PICTURED = VISUAL + ("chat",)  # modalities whose documents may hold pictures
 
 
 class GopherWordTokenizer(WordTokenizer):
@@ -108,7 +111,7 @@ class ClassifierFilter(BaseFilter):
 
 
 class ImageGeometryFilter(BaseFilter):
-    """Raw picture size checks (on the first frame, before resizing)."""
+    """Raw picture size checks (on each picture's first frame, before resizing)."""
 
     name = "image geometry"
 
@@ -117,13 +120,13 @@ class ImageGeometryFilter(BaseFilter):
         self.image = image
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
-        width, height = doc.metadata["raw_size"]
-        if min(width, height) < self.image.min_side:
-            return False, "image_too_small"
-        if width * height > self.image.max_raw_pixels:
-            return False, "image_too_large"
-        if max(width, height) / min(width, height) > self.image.max_aspect_ratio:
-            return False, "image_aspect_ratio"
+        for width, height in doc.metadata.get("raw_sizes", ()):  # none: a chat without images
+            if min(width, height) < self.image.min_side:
+                return False, "image_too_small"
+            if width * height > self.image.max_raw_pixels:
+                return False, "image_too_large"
+            if max(width, height) / min(width, height) > self.image.max_aspect_ratio:
+                return False, "image_aspect_ratio"
         return True
 
 
@@ -136,7 +139,7 @@ def quality_filters(cfg: DataConfig, output_dir: str) -> list[BaseFilter]:
         return ForModalities(inner, modalities, LedgerWriter(output_dir, f"filter_{stage}"))
 
     steps = [
-        ledgered("image_geometry", ImageGeometryFilter(cfg.image), VISUAL),
+        ledgered("image_geometry", ImageGeometryFilter(cfg.image), PICTURED),
         ledgered("caption_length", CharLengthFilter(cfg.captions.min_chars,
                                                     cfg.captions.max_chars, "caption_"), VISUAL),
         ledgered("text_length", CharLengthFilter(t.min_chars, t.max_chars, "text_"), ("text",)),

@@ -17,16 +17,20 @@ would have produced, in any data-parallel layout with the same global batch.
 
 Batch layout (model/batch.py). tokens/labels [B, T]; labels are the next token inside a
 document piece and -100 on the last position of each piece, on padding and where the target is
-an image placeholder. cu_seqlens has exactly B * max_docs_per_row + 1 entries: row r's
-documents, then its padding document (if any), then zero-length documents (the boundary
-(r+1)*T repeated) up to max_docs_per_row per row. Vision: patches [P, 3*p*p] in [-1, 1],
-grid_thw [I, 3], token_positions [V] = the flattened positions of the <image> tokens, in
-order; `vision` is None for a batch without pictures.
+an image placeholder; in a conversation (chat shards) the next token only where it is the
+assistant's (its loss mask), so only the assistant's tokens are targets. A conversation longer
+than the row is truncated or dropped as the manifest's chat_overflow says (packing.py); the
+loader logs how many, per source, for its seq_len. cu_seqlens has exactly
+B * max_docs_per_row + 1 entries: row r's documents, then its padding document (if any), then
+zero-length documents (the boundary (r+1)*T repeated) up to max_docs_per_row per row. Vision:
+patches [P, 3*p*p] in [-1, 1], grid_thw [I, 3], token_positions [V] = the flattened positions
+of the <image> tokens, in order; `vision` is None for a batch without pictures.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from itertools import count
 from pathlib import Path
 
@@ -46,6 +50,7 @@ from .shards import ShardReader
 from .tokenizer import IMAGE_ID, PAD_ID
 
 IGNORE = -100
+log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: the position is global (optimizer steps), independent of the DP layout
 SPLITS = {"train": "sources", "validation": "validation"}  # split -> its manifest key
 
@@ -96,10 +101,12 @@ class BatchSource(Dataset):
         row_shard, row_start, row_end, source_rows, weights = [], [], [], [], []
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: must be one of {sorted(SPLITS)}")
+        chat_overflow = manifest.get("chat_overflow", "truncate")
         for source in manifest.get(SPLITS[split], []):
             first = len(row_shard)
-            for shard in source["shards"]:
-                reader = ShardReader(root / shard["prefix"])
+            readers = [ShardReader(root / shard["prefix"], chat_overflow)
+                       for shard in source["shards"]]
+            for reader in readers:
                 plan = reader.plan(seq_len, max_docs_per_row)
                 offsets = row_offsets(plan)
                 row_shard += [len(self.readers)] * (len(offsets) - 1)
@@ -109,6 +116,7 @@ class BatchSource(Dataset):
                 self.plans.append(plan)
             source_rows.append((first, len(row_shard)))
             weights.append(source["weight"])
+            _log_overflow(source["name"], readers, seq_len)
         self.row_shard = np.array(row_shard, dtype=np.int64)
         self.row_start = np.array(row_start, dtype=np.int64)
         self.row_end = np.array(row_end, dtype=np.int64)
@@ -176,11 +184,16 @@ class BatchSource(Dataset):
                 piece = reader.tokens(seq, offset, length)
                 tokens[b, pos:pos + length] = piece
                 target = piece[1:].copy()
-                target[target == IMAGE_ID] = IGNORE
+                if reader.is_chat:  # the assistant's tokens only (never a placeholder)
+                    target[~reader.mask(seq, offset + 1, length - 1)] = IGNORE
+                else:
+                    target[target == IMAGE_ID] = IGNORE
                 labels[b, pos:pos + length - 1] = target
-                item = reader.vision_item(seq)
-                if item is not None:
-                    items.append((reader, item))
+                # the pictures whose placeholders are in the piece (a truncated conversation
+                # may end before some)
+                pictures = reader.vision_items(seq)
+                inside = (pictures[:, 1] >= offset) & (pictures[:, 1] < offset + length)
+                items += [(reader, item) for item in pictures[inside]]
                 pos += length
                 bounds.append(b * T + pos)
             bounds += [(b + 1) * T] * ((b + 1) * S + 1 - len(bounds))
@@ -200,6 +213,17 @@ class BatchSource(Dataset):
                              f"need {expected}")
         return VisionInput(torch.cat(patches), torch.tensor(grids, dtype=torch.long),
                            torch.from_numpy(positions.astype(np.int64)))
+
+
+def _log_overflow(source: str, readers: list[ShardReader], seq_len: int) -> None:
+    """Says how many of a chat source's conversations are longer than the row (once, as the
+    plans are made: a stage's seq_len may differ from the one k3-data counted for)."""
+    fits = [reader.fit(seq_len) for reader in readers if reader.is_chat]
+    truncated, dropped = sum(f[1] for f in fits), sum(f[2] for f in fits)
+    if truncated or dropped:
+        log.warning("chat source %s: %d conversations longer than seq_len=%d: %d truncated, "
+                    "%d dropped (data.chat_overflow=%s)", source, truncated + dropped, seq_len,
+                    truncated, dropped, readers[0].chat_overflow)
 
 
 class _Steps(torch.utils.data.Sampler):

@@ -6,7 +6,8 @@ manifest.json (written last; its presence with "complete": true marks a finished
     that change the data: name, sources, filters, ...), kept_documents (input documents in the
     shards and the held-out split; 0: nothing survived, and tokenizer, vocab_size are null and
     sources have no shards), tokenizer, vocab_size, special_tokens, pack {seq_len,
-    max_docs_per_row}, vision {patch_size, merge_size, frames_per_chunk}, sources [{name,
+    max_docs_per_row}, chat_overflow (what packing does with a conversation longer than the row,
+    at any seq_len), vision {patch_size, merge_size, frames_per_chunk}, sources [{name,
     modality, weight, shards [{prefix, docs, tokens, rows, images, videos}]}] with shard
     prefixes relative to the manifest's folder, validation (the held-out split,
     validation_split.py: the same form, natural proportions). Readers ignore keys they do not
@@ -31,6 +32,8 @@ from .tokenizer import SPECIAL_TOKENS
 from .validation_split import VALIDATION_DIR
 
 MANIFEST_VERSION = 1
+# summed per source in the summary; truncated and dropped: conversations longer than the row
+SHARD_COUNTS = ("docs", "tokens", "rows", "images", "videos", "truncated", "dropped")
 RUN_SETTINGS = ("output_dir", "resume", "overwrite", "use_prepared", "progress", "verbose",
                 "executor")  # do not change the data
 
@@ -81,6 +84,7 @@ def build_summary(out: Path, timings: dict[str, dict]) -> dict:
     seq_len = next((s["seq_len"] for ss in shards.values() for s in ss), 0)
     rows = sum(s["rows"] for ss in shards.values() for s in ss)
     tokens = sum(s["tokens"] for ss in shards.values() for s in ss)
+    packed = sum(s["packed_tokens"] for ss in shards.values() for s in ss)
     return {
         "input": {"records": input_records, "bytes": input_bytes,
                   "by_source": {k: dict(v) for k, v in sorted(by_source.items())}},
@@ -93,9 +97,8 @@ def build_summary(out: Path, timings: dict[str, dict]) -> dict:
         "derived": dict(Counter(d["origin"] for d in docs if d["origin"] != "input")),
         "output": {
             "tokens": tokens, "rows": rows, "seq_len": seq_len,
-            "fill": round(tokens / (rows * seq_len), 4) if rows else 0.0,
-            "by_source": {name: {k: sum(s[k] for s in ss)
-                                 for k in ("docs", "tokens", "rows", "images", "videos")}
+            "fill": round(packed / (rows * seq_len), 4) if rows else 0.0,
+            "by_source": {name: {k: sum(s[k] for s in ss) for k in SHARD_COUNTS if k in ss[0]}
                           for name, ss in sorted(shards.items())},
             "validation": {k: sum(s[k] for ss in held_out.values() for s in ss)
                            for k in ("docs", "tokens", "rows")},
@@ -155,6 +158,7 @@ def build_manifest(out: Path, cfg: DataConfig) -> dict:
         "vocab_size": load_tokenizer(tokenizer).get_vocab_size() if tokenizer.exists() else None,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
         "pack": dataclasses.asdict(cfg.pack),
+        "chat_overflow": cfg.chat_overflow,
         "vision": {"patch_size": cfg.image.patch_size, "merge_size": cfg.image.merge_size,
                    "frames_per_chunk": cfg.image.frames_per_chunk},
         "sources": [{"name": name, "modality": modalities[name], "weight": weights[name],

@@ -2,13 +2,17 @@
 
 A pack plan is an int64 array [P, 4] of pieces (row, sequence, offset, length), ordered by row
 and, within a row, by position. A text document longer than the row is split into row-sized
-pieces (each piece is its own document in cu_seqlens); a document with image placeholders is
-never split. Rows are filled best-fit-decreasing, so the plan depends only on the lengths.
+pieces (each piece is its own document in cu_seqlens); a document with image placeholders and a
+conversation are never split. A conversation longer than the row is truncated to its first
+seq_len tokens or dropped (fit_conversations) before packing. Rows are filled
+best-fit-decreasing, so the plan depends only on the lengths (and, for conversations, on
+where their loss tokens and pictures are).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,6 +28,22 @@ def split_pieces(lengths: np.ndarray, splittable: np.ndarray,
         for offset in range(0, n, seq_len):
             pieces.append((seq, offset, min(seq_len, n - offset)))
     return pieces
+
+
+def fit_conversations(lengths: np.ndarray, seq_len: int, overflow: str,
+                      truncatable: Callable[[int, int], bool]) -> tuple[np.ndarray, int, int]:
+    """(packed lengths, truncated, dropped) of conversations: one that fits the row is packed
+    whole; a longer one keeps its first seq_len tokens where overflow is "truncate" and
+    truncatable(seq, seq_len) allows it (the cut leaves a loss token and splits no picture),
+    else it is dropped (length 0, which pack_rows leaves out)."""
+    out = np.array(lengths, dtype=np.int64)
+    truncated = dropped = 0
+    for seq in np.flatnonzero(out > seq_len).tolist():
+        if overflow == "truncate" and truncatable(seq, seq_len):
+            out[seq], truncated = seq_len, truncated + 1
+        else:
+            out[seq], dropped = 0, dropped + 1
+    return out, truncated, dropped
 
 
 def pack_rows(lengths: np.ndarray, splittable: np.ndarray, seq_len: int,

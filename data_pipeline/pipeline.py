@@ -46,7 +46,12 @@ from .publish import check_writable, partial_dir, publish
 from .readers import build_reader
 from .records import write_json
 from .rephrase import Rephrase
-from .tokenize_shards import TokenizerStep, TokenizeToShards
+from .tokenize_shards import (
+    TokenizerStep,
+    TokenizeToShards,
+    chat_template_of,
+    check_tokenizer_inputs,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("curate", "buckets", "global", "tokenize", "finalize")
@@ -56,7 +61,9 @@ def stages(cfg: DataConfig, out: str) -> list[tuple[str, list[PipelineStep], int
     """(name, pipeline, tasks) in run order; `out` is the build folder."""
     work = f"{out}/work"
     steps_progress = cfg.progress and cfg.verbose  # quiet: only the stage bars
-    curate = [build_reader(s, i, out, steps_progress) for i, s in enumerate(cfg.sources)]
+    template = chat_template_of(cfg)
+    curate = [build_reader(s, i, out, steps_progress, template)
+              for i, s in enumerate(cfg.sources)]
     curate += [DecodeMedia(cfg.image, out), *quality_filters(cfg, out), NormalizeMedia(cfg.image),
                SignatureStep(cfg.dedup, work), CuratedWriter(work)]
     tokenize: list[PipelineStep] = [CuratedReader(work, steps_progress),
@@ -170,6 +177,7 @@ def run_pipeline(cfg) -> dict:
     cfg = as_data_config(cfg)
     set_verbosity(cfg.verbose)
     cfg.check_sources_exist()
+    check_tokenizer_inputs(cfg)
     out = Path(cfg.output_dir).resolve()
     build = partial_dir(out)
     if not cfg.overwrite and not build.exists() and is_prepared(cfg):  # done, same config

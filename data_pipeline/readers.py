@@ -1,8 +1,9 @@
 """Readers for raw sources, as datatrove readers (each task reads its shard of the files).
 
 Every record a reader meets is counted; records that cannot become a document (malformed JSON,
-non-UTF-8 text, no or empty text, a missing image or caption, an unreadable file) go to the
-quarantine ledger with the reason instead of raising. Counts per task are written to
+non-UTF-8 text, no or empty text, a missing image or caption, an unreadable file, a
+conversation without messages, one the chat template refuses or with nothing to learn) go to
+the quarantine ledger with the reason instead of raising. Counts per task are written to
 <output_dir>/counts/read/<source>/<rank>.json. Which files are read: sources.py.
 
 Each document (and each ledger line) names its record: metadata "file" (the path read), "line"
@@ -24,7 +25,9 @@ from datatrove.data import Document, DocumentsPipeline, Media, MediaType
 from datatrove.pipeline.readers.base import BaseDiskReader
 from tqdm import tqdm
 
+from .chat import render_chat
 from .config import SourceConfig, resolve_path
+from .conversations import chat_text, image_parts, picture_digest, refusal_reason
 from .records import LedgerWriter, ledger_doc, write_json
 from .sources import IMAGE_EXTENSIONS, list_source_files
 
@@ -191,6 +194,19 @@ class _JsonlReader(K3Reader):
     def _document(self, filepath: str, index: int, obj: dict, nbytes: int, orig_id) -> Document:
         raise NotImplementedError
 
+    def _read_beside(self, filepath: str, image, where: str) -> tuple[str, bytes]:
+        """(path, bytes) of the picture file `image` names, relative to the JSONL file's folder
+        (or absolute); a missing name or file is a missing_image problem."""
+        if not isinstance(image, str) or not image:
+            raise RecordProblem("missing_image", f"{where} is {image!r}, not a picture's path")
+        path = os.path.normpath(os.path.join(os.path.dirname(self.path_of(filepath)), image))
+        try:
+            with open(path, "rb") as f:
+                return path, f.read()
+        except OSError as e:
+            raise RecordProblem("missing_image", f"{where}: {image!r} -> {path}: "
+                                                 f"{e.strerror}") from None
+
 
 class JsonlTextReader(_JsonlReader):
     """Text in the `text_key` field of each line."""
@@ -219,16 +235,8 @@ class ImageTextReader(_JsonlReader):
         if obj.get(self.text_key) is None:
             raise RecordProblem("missing_caption", f"{where} has no {self.text_key!r}")
         text = check_text(obj[self.text_key], f"field {self.text_key!r} of {where}")
-        image = obj.get(self.image_key)
-        if not isinstance(image, str) or not image:
-            raise RecordProblem("missing_image", f"{where} has no {self.image_key!r} path")
-        path = os.path.normpath(os.path.join(os.path.dirname(self.path_of(filepath)), image))
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise RecordProblem("missing_image", f"{where}: {image!r} -> {path}: "
-                                                 f"{e.strerror}") from None
+        path, data = self._read_beside(filepath, obj.get(self.image_key),
+                                       f"{where}: {self.image_key!r}")
         metadata = obj.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise RecordProblem("malformed_json", f"{where}: 'metadata' is "
@@ -236,6 +244,40 @@ class ImageTextReader(_JsonlReader):
         doc = self.make_document(filepath, index, text, nbytes + len(data),
                                  [_media(data, MediaType.IMAGE, path)], orig_id, line=index + 1)
         doc.metadata["record_metadata"] = metadata
+        return doc
+
+
+class ChatReader(_JsonlReader):
+    """Conversations, one per line (conversations.py). A conversation is checked as the chat
+    template renders it (chat.render_chat; its ValueError becomes the quarantine detail), its
+    pictures are read (a path relative to the JSONL file's folder, or absolute) and become the
+    document's media in placeholder order; the document's text is conversations.chat_text and
+    metadata "messages" and "tools" hold the record's fields for tokenization."""
+
+    def __init__(self, source: SourceConfig, source_index: int, output_dir: str,
+                 progress: bool, chat_template: str):
+        super().__init__(source, source_index, output_dir, progress)
+        self.chat_template = chat_template
+
+    def _document(self, filepath: str, index: int, obj: dict, nbytes: int, orig_id) -> Document:
+        where = f"line {index + 1}"
+        messages, tools = obj.get("messages"), obj.get("tools")
+        if not isinstance(messages, list) or not messages:
+            raise RecordProblem("no_messages", f"{where}: 'messages' is {messages!r:.80}, not a "
+                                               "non-empty list of messages")
+        try:
+            render_chat(messages, self.chat_template, tools)
+        except ValueError as e:
+            raise RecordProblem(refusal_reason(e), f"{where}: {e}") from None
+        media, digests = [], []
+        for field, image in image_parts(messages):
+            path, data = self._read_beside(filepath, image, f"{where}: {field}.image")
+            media.append(_media(data, MediaType.IMAGE, path))
+            digests.append(picture_digest(data))
+        doc = self.make_document(filepath, index, chat_text(messages, digests),
+                                 nbytes + sum(len(m.media_bytes) for m in media), media,
+                                 orig_id, line=index + 1)
+        doc.metadata.update(messages=messages, tools=tools)
         return doc
 
 
@@ -398,6 +440,9 @@ READERS = {"jsonl": JsonlTextReader, "parquet": ParquetTextReader,
            "frame_folder": FrameFolderReader, "video_files": VideoFileReader}
 
 
-def build_reader(source: SourceConfig, source_index: int, output_dir: str,
-                 progress: bool) -> K3Reader:
+def build_reader(source: SourceConfig, source_index: int, output_dir: str, progress: bool,
+                 chat_template: str | None = None) -> K3Reader:
+    """`chat_template`: the template's text, for chat sources."""
+    if source.modality == "chat":
+        return ChatReader(source, source_index, output_dir, progress, chat_template)
     return READERS[source.format](source, source_index, output_dir, progress)

@@ -3,10 +3,11 @@ quarantined (reason). Records that leave the pipeline are written to a ledger, o
 stage and task under <output_dir>/ledger/<stage>/; kept records are the documents in the shards.
 
 Document metadata keys used across the stages:
-    source, modality ("text" | "image" | "video"), order (global sort key: source index, file,
-    record index; decides which copy of a duplicate is kept), orig_id (the record's own id
-    field), file and line (where the record was read), origin ("input" for raw records,
-    "rephrased" / "synthetic" for documents the pipeline made), bytes (raw size).
+    source, modality ("text" | "image" | "video" | "chat"), order (global sort key: source
+    index, file, record index; decides which copy of a duplicate is kept), orig_id (the record's
+    own id field), file and line (where the record was read), origin ("input" for raw records,
+    "rephrased" / "synthetic" for documents the pipeline made), bytes (raw size); for pictures
+    raw_sizes and grid_thws (media.py); for a conversation messages and tools (the record's).
 
 A ledger line: id, source, file, line, record_id, origin, stage, outcome, reason, detail, raw
 (an excerpt of a record that could not be parsed), bytes.

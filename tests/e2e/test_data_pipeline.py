@@ -157,7 +157,7 @@ def _expected_tokens(tok, doc: dict, vision: VisionConfig) -> list[int]:
     modality = doc["metadata"]["modality"]
     if modality == "text":
         return ids + [EOD_ID]
-    (n,) = vision_token_count([doc["metadata"]["grid_thw"]], vision)
+    (n,) = vision_token_count(doc["metadata"]["grid_thws"], vision)
     return ([VIDEO_ID] if modality == "video" else []) + [IMAGE_ID] * n + ids + [EOD_ID]
 
 

@@ -279,5 +279,5 @@ def test_image_text_jsonl_reader_quarantines_missing_and_undecodable_images(tmp_
         (str(src / "pairs.jsonl"), 1, "r1"), (str(src / "pairs.jsonl"), 2, "b1")]
     curated = {d["id"]: d for p in out.glob("work/curated/*.jsonl") for d in read_jsonl(p)}
     red = curated["pairs/pairs.jsonl#0"]["metadata"]
-    assert red["record_metadata"] == {"license": "cc0"} and red["grid_thw"][0] == 1
+    assert red["record_metadata"] == {"license": "cc0"} and red["grid_thws"][0][0] == 1
     assert (red["file"], red["line"], red["orig_id"]) == (str(src / "pairs.jsonl"), 1, "r1")
