@@ -9,7 +9,12 @@
     images/folder/*.png + .txt    more scenes, an image-folder source
     video/frames/<id>/            frame folders of a moving shape + caption.txt
     video/gif/*.gif + .txt        the same kind of clips as animated GIFs
+    chat/*.jsonl, chat/images/    conversations for fine-tuning (configs/data/chat_sample.yaml):
+                                  questions about the invented towns and animals, tool calls
+                                  (lookup_town, add), questions about shape scenes (one or two
+                                  pictures), planted duplicates and broken records
     planted.json                  every planted record with what the pipeline must do with it
+                                  (the chat source's under "chat")
 
 Run `python -m data_pipeline.make_sample` to regenerate; the output is byte-identical.
 """
@@ -27,6 +32,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from .config import SAMPLE_DIR, DataConfig
+from .conversations import chat_text, image_parts, picture_digest
 from .dedup import jaccard, word_shingles
 from .imaging import perceptual_signature
 
@@ -114,6 +120,11 @@ def _fill(template: str, slots: dict) -> str:
 
 
 def town_document(rng: random.Random, used: set[str]) -> str:
+    return town_facts(rng, used)[1]
+
+
+def town_facts(rng: random.Random, used: set[str]) -> tuple[dict, str]:
+    """(slots, document) of an invented town."""
     name = _name(rng, used)
     slots = {"name": name, "river": _name(rng, used), "city": _name(rng, used),
              "dir": rng.choice(_DIRECTIONS), "dir2": rng.choice(_DIRECTIONS),
@@ -129,16 +140,21 @@ def town_document(rng: random.Random, used: set[str]) -> str:
     picked = [first] + rng.sample(rest, rng.randint(6, 11))
     sentences = [_fill(t, slots) for t in picked]
     cut = rng.randint(3, len(sentences) - 2)
-    return " ".join(sentences[:cut]) + "\n\n" + " ".join(sentences[cut:])
+    return slots, " ".join(sentences[:cut]) + "\n\n" + " ".join(sentences[cut:])
 
 
 def animal_document(rng: random.Random, used: set[str]) -> str:
+    return animal_facts(rng, used)[1]
+
+
+def animal_facts(rng: random.Random, used: set[str]) -> tuple[dict, str]:
+    """(slots, document) of an invented animal."""
     slots = {k: rng.choice(v) for k, v in _ANIMAL_SLOTS.items()}
     slots.update(name=_name(rng, used).lower(), eggs=rng.randint(2, 4), eggs2=rng.randint(5, 9),
                  months=rng.randint(2, 14), year=rng.randint(1750, 2010),
                  weight=rng.randint(1, 90), life=rng.randint(3, 40))
     picked = [_ANIMAL_SENTENCES[0]] + rng.sample(_ANIMAL_SENTENCES[1:], rng.randint(6, 10))
-    return " ".join(_fill(t, slots) for t in picked)
+    return slots, " ".join(_fill(t, slots) for t in picked)
 
 
 def _near_duplicate(rng: random.Random, text: str, ngram: int) -> tuple[str, float]:
@@ -284,9 +300,11 @@ class Sample:
 
     def __init__(self, root: Path):
         self.root = root
-        self.planted: dict[str, list] = {k: [] for k in (
+        self.planted: dict[str, list | dict] = {k: [] for k in (
             "distinct_text", "exact_duplicates", "near_duplicates", "junk", "quarantine",
             "image_duplicates", "video_duplicates", "filtered_images", "special_text")}
+        self.towns: list[dict] = []  # the invented facts, for the chat sample's questions
+        self.animals: list[dict] = []
 
     def write(self, rel: str, data: bytes | str) -> None:
         path = self.root / rel
@@ -303,7 +321,9 @@ def _jsonl(records: list) -> bytes:
 def build_text(sample: Sample, rng: random.Random, cfg: DataConfig) -> None:
     used: set[str] = set()
     ngram = cfg.dedup.ngram
-    towns = [town_document(rng, used) for _ in range(560)]
+    facts = [town_facts(rng, used) for _ in range(560)]
+    sample.towns = [slots for slots, _ in facts]
+    towns = [text for _, text in facts]
     files: list[list] = [[], [], []]
     ids: list[list[str]] = [[], [], []]
 
@@ -353,7 +373,9 @@ def build_text(sample: Sample, rng: random.Random, cfg: DataConfig) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    animals = [animal_document(rng, used) for _ in range(150)]
+    facts = [animal_facts(rng, used) for _ in range(150)]
+    sample.animals = [slots for slots, _ in facts]
+    animals = [text for _, text in facts]
     texts: list[str | None] = list(animals)
     for rid, text in rng.sample(originals, 3):
         texts.append(text)
@@ -483,6 +505,256 @@ def build_videos(sample: Sample, rng: random.Random) -> None:
         {"id": "motion/empty/caption.txt#0", "reason": "missing_image"}]
 
 
+# ---------------------------------------------------------------- chat
+
+CHAT_SOURCE = "chat_sample"  # configs/data/chat_sample.yaml's source name (in planted ids)
+LOOKUP_TOWN = {"type": "function", "function": {
+    "name": "lookup_town", "description": "Facts about a town of the valley.",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                   "required": ["name"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "The sum of two whole numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+_SYSTEM = ["You are a helpful guide to the towns of the valley.", "Answer briefly.",
+           "You know the towns and animals of the region well."]
+_TOWN_QA = [
+    ("Which river is {name} on?", "{name} lies on the {dir} bank of the river {river}."),
+    ("When was {name} founded?", "{name} was founded in the year {year} by a group of {trade}."),
+    ("What is the market of {name} famous for?",
+     "The market of {name} is famous for its {good} and its {good2}."),
+    ("What can visitors see in {name}?",
+     "Visitors often come to see {landmark}, which was built about {age} years ago."),
+    ("Does {name} have a festival?",
+     "Yes. Every {season} the people of {name} hold {festival} that lasts for {days} days."),
+    ("How far is {name} from {city}?",
+     "A road connects {name} with the city of {city}, about {dist} miles away."),
+]
+_ANIMAL_QA = [
+    ("Where does the {name} live?", "The {name} is a {size} animal that lives in {habitat}."),
+    ("What does the {name} eat?", "The {name} feeds mainly on {food}, which it finds {when}."),
+    ("What does the {name} look like?",
+     "The {name} has {cover} and a {tail} tail that helps it keep its balance."),
+    ("How heavy is an adult {name}?",
+     "An adult {name} weighs about {weight} kilograms and lives for up to {life} years."),
+]
+_PICTURE_QUESTIONS = ["What is in this picture?", "Describe this picture.",
+                      "Which shapes do you see here?", "Tell me what this image shows."]
+
+
+def _say(role: str, content) -> dict:
+    return {"role": role, "content": content}
+
+
+def _call(index: int, name: str, arguments: dict, as_text: bool) -> dict:
+    """A tool call; the arguments as a JSON string (OpenAI) or an object (Hugging Face)."""
+    return {"id": f"call_{index}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments) if as_text
+                         else arguments}}
+
+
+def _town_record(town: dict) -> str:
+    return json.dumps({"name": town["name"], "river": town["river"], "inhabitants": town["pop"]})
+
+
+def _qa(template: tuple[str, str], slots: dict) -> list[dict]:
+    return [_say("user", template[0].format(**slots)),
+            _say("assistant", template[1].format(**slots))]
+
+
+def _town_conversations(rng: random.Random, towns: list[dict]) -> list[dict]:
+    out = []
+    for i, town in enumerate(towns[:100]):  # one question each
+        system = [_say("system", _SYSTEM[i % 3])] if i % 4 == 0 else []
+        out.append({"messages": system + _qa(_TOWN_QA[i % len(_TOWN_QA)], town)})
+    for i, town in enumerate(towns[100:140]):  # three questions about one town
+        turns = [m for k in range(3) for m in _qa(_TOWN_QA[(i + k) % len(_TOWN_QA)], town)]
+        out.append({"messages": turns})
+    for i, town in enumerate(towns[140:170]):  # lookup_town, then the answer
+        call = _call(0, "lookup_town", {"name": town["name"]}, as_text=i % 2 == 0)
+        out.append({"tools": [LOOKUP_TOWN], "messages": [
+            _say("user", f"How many people live in {town['name']}?"),
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": _town_record(town)},
+            _say("assistant", f"{town['name']} has {town['pop']} inhabitants.")]})
+    for a_town, b_town in zip(towns[170:180], towns[180:190]):  # two lookups in one turn
+        a, b = a_town["pop"], b_town["pop"]
+        calls = [_call(0, "lookup_town", {"name": a_town["name"]}, True),
+                 _call(1, "lookup_town", {"name": b_town["name"]}, True)]
+        out.append({"tools": [LOOKUP_TOWN], "messages": [
+            _say("user", f"How many people live in {a_town['name']} and {b_town['name']} "
+                         "together?"),
+            {"role": "assistant", "content": "Let me look both towns up.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_0", "content": _town_record(a_town)},
+            {"role": "tool", "tool_call_id": "call_1", "content": _town_record(b_town)},
+            _say("assistant", f"{a_town['name']} has {a} inhabitants and {b_town['name']} "
+                              f"{b}, so together they have {a + b}.")]})
+    for _ in range(20):  # add
+        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        out.append({"tools": [ADD], "messages": [
+            _say("user", f"What is {a} plus {b}?"),
+            {"role": "assistant", "content": None,
+             "tool_calls": [_call(0, "add", {"a": a, "b": b}, True)]},
+            {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)},
+            _say("assistant", f"{a} plus {b} is {a + b}.")]})
+    return out
+
+
+def _animal_conversations(animals: list[dict]) -> list[dict]:
+    out = []
+    for i, animal in enumerate(animals[:50]):
+        turns = _qa(_ANIMAL_QA[i % len(_ANIMAL_QA)], animal)
+        if i % 3 == 0:  # and a follow-up
+            turns += _qa(_ANIMAL_QA[(i + 1) % len(_ANIMAL_QA)], animal)
+        out.append({"messages": turns})
+    return out
+
+
+def _picture_conversations(sample: Sample, rng: random.Random) -> list[dict]:
+    """Questions about rendered shape scenes; the answer names the shapes and colours. Some
+    conversations show two pictures, some show one in a later turn."""
+    scenes = _scenes(rng, 40)
+    for i, scene in enumerate(scenes):
+        sample.write(f"chat/images/scene{i:03d}.png", _png(_scene(scene)))
+
+    def picture(i: int) -> dict:
+        return {"type": "image", "image": f"images/scene{i:03d}.png"}
+
+    out = []
+    for i in range(28):
+        question = {"type": "text", "text": _PICTURE_QUESTIONS[i % len(_PICTURE_QUESTIONS)]}
+        content = [question, picture(i)] if i % 2 else [picture(i), question]
+        out.append({"messages": [_say("user", content),
+                                 _say("assistant", f"It shows {_caption(scenes[i])}.")]})
+    for i in range(28, 36, 2):  # two pictures in one turn
+        out.append({"messages": [
+            _say("user", [{"type": "text", "text": "Here are two pictures."}, picture(i),
+                          picture(i + 1), {"type": "text", "text": " How do they differ?"}]),
+            _say("assistant", f"The first shows {_caption(scenes[i])}; the second shows "
+                              f"{_caption(scenes[i + 1])}.")]})
+    for i in range(36, 40):  # a picture in the second turn, after a text exchange
+        out.append({"messages": [
+            _say("user", "I will show you a drawing of some shapes."),
+            _say("assistant", "Please do, I will describe it."),
+            _say("user", [picture(i), {"type": "text", "text": "Here it is."}]),
+            _say("assistant", f"The drawing shows {_caption(scenes[i])}.")]})
+    for i in range(2):  # the same words about other pictures: no duplicates
+        out.append({"messages": [_say("user", [picture(i), {"type": "text",
+                                                            "text": "Is this a drawing?"}]),
+                                 _say("assistant", "Yes, it is a drawing of shapes.")]})
+    return out
+
+
+def _chat_text_of(sample: Sample, record: dict) -> str:
+    """The pipeline's canonical text of a sample conversation (its pictures already written)."""
+    digests = [picture_digest((sample.root / "chat" / image).read_bytes())
+               for _, image in image_parts(record["messages"])]
+    return chat_text(record["messages"], digests)
+
+
+def _variant(record: dict, kind: str) -> dict:
+    """A copy that dedup must find exact: other case, other spacing or other call ids."""
+    copy = json.loads(json.dumps(record))
+    for m in copy["messages"]:
+        if kind == "case" and isinstance(m.get("content"), str):
+            m["content"] = m["content"].lower()
+        if kind == "spacing" and isinstance(m.get("content"), str):
+            m["content"] = "  " + m["content"].replace(" ", "  ") + " "
+        if kind == "call ids":
+            for call in m.get("tool_calls") or []:
+                call["id"] = "toolu_" + call["id"]
+            if "tool_call_id" in m:
+                m["tool_call_id"] = "toolu_" + m["tool_call_id"]
+    return copy
+
+
+def build_chat(sample: Sample, rng: random.Random, cfg: DataConfig) -> None:
+    """chat/chat_000.jsonl (towns and animals), chat_001.jsonl (tools and pictures),
+    chat_002.jsonl (planted duplicates and broken records), chat/images/."""
+    planted: dict[str, list] = {k: [] for k in (
+        "distinct", "exact_duplicates", "near_duplicates", "quarantine", "filtered",
+        "two_pictures", "same_words_other_picture")}
+    sample.planted["chat"] = planted
+    towns = _town_conversations(rng, sample.towns)
+    files = [towns[:140] + _animal_conversations(sample.animals),
+             towns[140:] + _picture_conversations(sample, rng), []]
+    ids = []
+    for f, records in enumerate(files[:2]):
+        for i, record in enumerate(records):
+            records[i] = {"id": f"chat-{f}-{i}", **record}
+            ids.append(f"{CHAT_SOURCE}/chat_{f:03d}.jsonl#{i}")
+            if len(image_parts(record["messages"])) == 2:
+                planted["two_pictures"].append(ids[-1])
+            if record["messages"][-1]["content"] == "Yes, it is a drawing of shapes.":
+                planted["same_words_other_picture"].append(ids[-1])
+    planted["distinct"] = list(ids)
+    records = files[0] + files[1]
+
+    def add(record) -> str:
+        files[2].append(record)
+        return f"{CHAT_SOURCE}/chat_002.jsonl#{len(files[2]) - 1}"
+
+    # exact duplicates: a copy, other case, other spacing, other tool call ids, a copy showing
+    # the same picture file
+    for kind, k in (("copy", 3), ("case", 105), ("spacing", 60), ("call ids", 225),
+                    ("picture", 262)):
+        copy = {**_variant(records[k], kind), "id": f"copy-{kind}"}
+        planted["exact_duplicates"].append({"id": add(copy), "of": ids[k]})
+    # near duplicates: a long conversation whose last answer gains a few words
+    ngram = cfg.dedup.ngram
+    for k in (100, 110, 120, 130):
+        near = json.loads(json.dumps(records[k]))
+        near["messages"][-1]["content"] += " Enjoy your visit."
+        near["id"] = f"near-{k}"
+        j = jaccard(word_shingles(_chat_text_of(sample, records[k]), ngram),
+                    word_shingles(_chat_text_of(sample, near), ngram))
+        assert 0.8 <= j < 1.0, j
+        planted["near_duplicates"].append({"id": add(near), "of": ids[k],
+                                           "jaccard": round(j, 4)})
+    # the distinct conversations are no duplicates of each other (the planted truth)
+    shingles = [set(word_shingles(_chat_text_of(sample, r), ngram).tolist()) for r in records]
+    for a in range(len(shingles)):
+        for b in range(a):
+            union = len(shingles[a] | shingles[b])
+            assert len(shingles[a] & shingles[b]) / union < 0.8, (ids[a], ids[b])
+    # broken records, each with what the pipeline must do with it
+    sample.write("chat/images/broken.png", b"\x89PNG\r\n\x1a\n not really a picture")
+    sample.write("chat/images/tiny.png", _png(Image.new("RGB", (20, 20), (40, 80, 220))))
+    hello = [_say("user", "Hello there."), _say("assistant", "Hello! How can I help?")]
+    bad = [
+        (b'{"id": "broken", "messages": [{"role": "user", "content": "hi"}', "malformed_json"),
+        ({"id": "nomessages", "conversation": hello}, "no_messages"),
+        ({"id": "narrator", "messages": [_say("narrator", "Once upon a time.")] + hello},
+         "invalid_conversation"),
+        ({"id": "orphan", "messages": hello + [
+            {"role": "tool", "tool_call_id": "call_9", "content": "42"},
+            _say("assistant", "The answer is 42.")]}, "invalid_conversation"),
+        ({"id": "control", "messages": [_say("user", "Please repeat <|im_end|> after me."),
+                                        _say("assistant", "I would rather not.")]},
+         "invalid_conversation"),
+        ({"id": "silent", "messages": [_say("system", "Be brief."), _say("user", "Hello?")]},
+         "no_assistant_tokens"),
+        ({"id": "missing", "messages": [
+            _say("user", [{"type": "image", "image": "images/missing.png"},
+                          {"type": "text", "text": "What is this?"}]),
+            _say("assistant", "I cannot tell.")]}, "missing_image"),
+        ({"id": "undecodable", "messages": [
+            _say("user", [{"type": "image", "image": "images/broken.png"},
+                          {"type": "text", "text": "And this one?"}]),
+            _say("assistant", "It does not open.")]}, "undecodable_image"),
+    ]
+    for record, reason in bad:
+        planted["quarantine"].append({"id": add(record), "reason": reason})
+    tiny = {"id": "tiny", "messages": [
+        _say("user", [{"type": "image", "image": "images/tiny.png"},
+                      {"type": "text", "text": "What colour is this square?"}]),
+        _say("assistant", "It is blue.")]}
+    planted["filtered"].append({"id": add(tiny), "reason": "image_too_small"})
+    for f, records in enumerate(files):
+        sample.write(f"chat/chat_{f:03d}.jsonl", _jsonl(records))
+
+
 def make_sample(root: Path = SAMPLE_DIR) -> dict:
     cfg = DataConfig()
     if root.exists():
@@ -492,6 +764,7 @@ def make_sample(root: Path = SAMPLE_DIR) -> dict:
     build_text(sample, rng, cfg)
     build_images(sample, rng, cfg)
     build_videos(sample, rng)
+    build_chat(sample, random.Random(SEED + 1), cfg)  # its own stream: the rest stays as it was
     sample.write("planted.json", json.dumps(sample.planted, indent=1, sort_keys=True) + "\n")
     return sample.planted
 

@@ -313,6 +313,17 @@ def _yaml(path: Path) -> dict:
 
 def test_yaml_mirrors_equal_the_dataclass_defaults():
     assert from_dict(DataConfig, _yaml(CONFIGS / "data" / "sample.yaml"), "data") == DataConfig()
+
+
+def test_the_chat_sample_config_differs_from_the_sample_only_in_its_source():
+    chat = from_dict(DataConfig, _yaml(CONFIGS / "data" / "chat_sample.yaml"), "data").validate()
+    assert [(s.name, s.modality, s.format, s.path) for s in chat.sources] == [
+        ("chat_sample", "chat", "jsonl", "bundled://chat")]
+    assert chat.tokenizer.path == "outputs/data/sample/tokenizer.json"  # pre-training's
+    assert chat.chat_template is None and chat.chat_overflow == "truncate"
+    assert dataclasses.replace(
+        chat, name="sample", sources=DataConfig().sources, output_dir="outputs/data/sample",
+        tokenizer=dataclasses.replace(chat.tokenizer, path=None)) == DataConfig()
     stage = _yaml(CONFIGS / "stage" / "tiny.yaml")
     stage["long_docs"] = LongDocConfig(**stage["long_docs"])
     assert StageConfig(**stage) == StageConfig()
@@ -336,6 +347,9 @@ def test_every_stage_config_is_valid(path):
     (lambda c: c.text_filters.__setattr__("classifier", "no_colon"),
      "data.text_filters.classifier"),
     (lambda c: c.image.__setattr__("max_pixels", 100), "data.image.max_pixels"),
+    (lambda c: c.__setattr__("chat_overflow", "split"), "data.chat_overflow"),
+    (lambda c: c.sources[0].__setattr__("modality", "chat") or
+     c.sources[1].__setattr__("modality", "chat"), "data.sources[1].format"),
 ])
 def test_bad_data_config_values_name_the_field(change, field):
     cfg = DataConfig()
