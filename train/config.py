@@ -145,6 +145,9 @@ class TrainConfig:
     # k3-export directory (train/init_from.py); null: initialised from `seed`.
     init_from: str | None = None
     steps: int = 150
+    # Passes over the stage's training data: when set, the run takes that many epochs' optimizer
+    # steps (the data decides `steps`, the learning-rate schedule spans them).
+    epochs: int | None = None
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     activation_checkpointing: bool = False
@@ -206,6 +209,8 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
     cfg.stage.validate("stage")
     if cfg.steps <= 0:
         _fail("steps", cfg.steps, "must be > 0")
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        _fail("epochs", cfg.epochs, "must be > 0 or null (null: `steps` optimizer steps)")
     o = cfg.optim
     if o.name not in ("adamw", "muon"):
         _fail("optim.name", o.name, "must be one of ['adamw', 'muon']")

@@ -223,6 +223,10 @@ def train(cfg: TrainConfig) -> int:
         log.info("optimizer groups:\n%s", describe_groups(model, optimizers))
     dp_rank = topology.rank_in("dp") if env.world_size > 1 else 0
     loader = build_loader(cfg, dp_rank=dp_rank, dp_size=dp_size)
+    if cfg.epochs is not None:  # the same on every rank: the global batch's rows per epoch
+        cfg.steps = cfg.epochs * (loader.steps_per_epoch // accum)
+        if env.is_main:
+            log.info("epochs=%d: %d optimizer steps", cfg.epochs, cfg.steps)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, env.rank,
                         env.world_size, parallel.sharded_state)
     step = 0

@@ -16,3 +16,25 @@ def test_model_yaml_equals_python_preset(name):
     assert OmegaConf.to_container(on_disk) == OmegaConf.to_container(
         OmegaConf.structured(PRESETS[name]())), (
         f"configs/model/{name}.yaml differs from model.config.{name}(): regenerate it")
+
+
+@pytest.mark.parametrize("stage, precision", [("sft", "auto"), ("sft_qat", "mxfp4_qat")])
+def test_post_training_stages_select_their_data_precision_and_start(stage, precision):
+    """stage=sft / sft_qat compose the chat set, the precision, the pre-trained run to start from
+    and a run directory of their own; the command line still overrides them."""
+    from hydra import compose, initialize_config_dir
+
+    import train.cli  # noqa: F401  (registers the schema)
+    from train.config import TrainConfig, validate_train_config
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"stage={stage}"])
+        mine = compose(config_name="train", overrides=[f"stage={stage}", "run_dir=mine",
+                                                       "epochs=1", "data=sample"])
+    assert (cfg.stage.name, cfg.data.name, cfg.precision.name) == (stage, "chat_sample", precision)
+    assert cfg.init_from == "outputs/k3_tiny" and cfg.run_dir == f"outputs/k3_tiny_{stage}"
+    assert cfg.epochs == 5 and cfg.stage.long_docs.num_docs == 0
+    assert (mine.run_dir, mine.epochs, mine.data.name) == ("mine", 1, "sample")
+    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    typed.init_from = None  # the demo's pre-training run is not here
+    validate_train_config(typed, world_size=1, data=False)
