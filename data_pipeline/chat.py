@@ -159,18 +159,9 @@ def encode_chat(messages: list[dict], tokenizer: Tokenizer, chat_template: str,
     Raises what render_chat raises (ValueError naming the field, NoAssistantTokens), and
     ConfigError for a tokenizer without the chat tokens the template uses.
     """
-    check_chat_special_tokens(tokenizer, "the tokenizer",
-                              [t for t in RESERVED_TOKENS if t in chat_template])
-    specials = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
-    text, spans = render_chat(messages, chat_template, tools, specials)
-
-    saved = tokenizer.encode_special_tokens
-    tokenizer.encode_special_tokens = False  # the template's <|im_end|> etc. are control tokens
-    try:
-        encoding = tokenizer.encode(text, add_special_tokens=False)
-    finally:
-        tokenizer.encode_special_tokens = saved
-
+    text, spans = render_chat(messages, chat_template, tools,
+                              _chat_specials(tokenizer, chat_template))
+    encoding = _encoded(tokenizer, text)
     # A token is the assistant's if its characters overlap a span; spans come in text order.
     # Every character is some token's, so a non-empty span (render_chat) masks a token.
     mask, k = [], 0
@@ -179,6 +170,35 @@ def encode_chat(messages: list[dict], tokenizer: Tokenizer, chat_template: str,
             k += 1
         mask.append(k < len(spans) and end > spans[k][0])
     return encoding.ids, mask
+
+
+def encode_prompt(messages: list[dict], tokenizer: Tokenizer, chat_template: str,
+                  tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation to continue (its last turn the user's or a tool's) rendered
+    with the template's generation prompt: what the model was fine-tuned to answer. Raises as
+    encode_chat does (no assistant turn is needed)."""
+    specials = _chat_specials(tokenizer, chat_template)
+    messages = _checked_messages(messages, to_learn=False)
+    _check_no_special_text(specials, messages, tools)
+    text, _ = _render(_compile(chat_template), messages, tools, add_generation_prompt=True)
+    return _encoded(tokenizer, text).ids
+
+
+def _chat_specials(tokenizer: Tokenizer, chat_template: str) -> list[str]:
+    """The tokenizer's special tokens' strings, after checking it has the chat tokens the
+    template uses at their fixed ids."""
+    check_chat_special_tokens(tokenizer, "the tokenizer",
+                              [t for t in RESERVED_TOKENS if t in chat_template])
+    return [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+
+
+def _encoded(tokenizer: Tokenizer, text: str):
+    saved = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = False  # the template's <|im_end|> etc. are control tokens
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    finally:
+        tokenizer.encode_special_tokens = saved
 
 
 def without_generation_markers(template: str) -> str:
@@ -219,7 +239,9 @@ def load_chat_template(path: str | None) -> str:
 
 # ------------------------------------------------------------------ validation
 
-def _checked_messages(messages) -> list[dict]:
+def _checked_messages(messages, to_learn: bool = True) -> list[dict]:
+    """The messages, checked; `to_learn`: a conversation trained on, which needs an assistant
+    message (a prompt does not)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages={messages!r} is invalid: a non-empty list of message dicts")
     checked = []
@@ -245,7 +267,7 @@ def _checked_messages(messages) -> list[dict]:
             raise ValueError(f"{where} is an assistant message with neither content nor "
                              "tool_calls: nothing to learn from")
         checked.append(message)
-    if not any(m["role"] == "assistant" for m in checked):
+    if to_learn and not any(m["role"] == "assistant" for m in checked):
         raise NoAssistantTokens(f"messages has no assistant message (roles: "
                          f"{[m['role'] for m in checked]}): nothing to learn from")
     return checked

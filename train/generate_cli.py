@@ -7,17 +7,21 @@ JSONL file, tokenised with the run's tokenizer; one JSON line per prompt, printe
         prompts_file=prompts.jsonl output=completions.jsonl temperature=0.7 top_p=0.9 seed=1
 
     k3-generate run_dir=outputs/k3_tiny draft_run_dir=outputs/k3_tiny_draft prompt="The river"
+    k3-generate run_dir=outputs/k3_tiny_sft chat=true prompt="Where does Wyngor lie?"
 
 Each output line: {"prompt", "completion" (the decoded new tokens), "tokens", "logprobs",
 "finish_reason"}. A prompts file holds one {"prompt": str} per line. The run's tokenizer is the
 one its data was tokenised with: `data.tokenizer.path` of the run's config when set, else
 <data.output_dir>/tokenizer.json; an export directory needs `tokenizer=`. Generation stops at
 the end-of-document token (`<eod>`, what ends every training document) unless `stop_tokens`
-says otherwise (an empty list: the budget only). Prompts are decoded `batch_size` at a time; a
-batch's sampling seed is `seed` plus the index of its first prompt, so a run is reproducible.
-With a draft (`draft_run_dir=` or `draft_export_dir=`, a K3 trained with the same tokenizer) the
-draft proposes `speculative_tokens` tokens a round that the model verifies in one call: the same
-completions as without it (greedy) or the same distribution (sampling).
+says otherwise (an empty list: the budget only). `chat=true` (a fine-tuned model): each prompt
+is a user turn rendered with the chat template and its generation prompt (`chat_template`, null:
+K3's), and the end of the assistant's turn (`<|im_end|>`) stops it too. Prompts are decoded
+`batch_size` at a time; a batch's sampling seed is `seed` plus the index of its first prompt,
+so a run is reproducible. With a draft (`draft_run_dir=` or `draft_export_dir=`, a K3 trained
+with the same tokenizer) the draft proposes `speculative_tokens` tokens a round that the model
+verifies in one call: the same completions as without it (greedy) or the same distribution
+(sampling).
 An existing `output` file is never overwritten.
 """
 
@@ -61,6 +65,10 @@ class GenerateConfig:
     draft_run_dir: str | None = None
     draft_export_dir: str | None = None
     speculative_tokens: int = 4
+    # A fine-tuned chat model: each prompt is a user turn rendered with the chat template and
+    # its generation prompt, and <|im_end|> (the end of the assistant's turn) stops too.
+    chat: bool = False
+    chat_template: str | None = None  # a Jinja file or tokenizer_config.json; null: K3's
 
 
 def _run_tokenizer_path(run_dir: Path) -> Path:
@@ -112,7 +120,8 @@ def load_model_and_tokenizer(cfg: GenerateConfig):
 
 def load_model(run_dir: str | None, checkpoint: str | None, export_dir: str | None):
     """(the model in eval mode, the run's tokenizer path or None for an export) from a run's
-    checkpoint (the newest unless `checkpoint`) or a k3-export directory."""
+    checkpoint (the newest unless `checkpoint`; a QAT run's with its MXFP4 forward) or a
+    k3-export directory."""
     import warnings
 
     from .export import latest_checkpoint, load_checkpoint_model, load_exported, read_run_config
@@ -120,11 +129,15 @@ def load_model(run_dir: str | None, checkpoint: str | None, export_dir: str | No
     if run_dir is None:
         return load_exported(export_dir), None
     run = Path(run_dir)
-    model_cfg, _ = read_run_config(run)
+    model_cfg, precision = read_run_config(run)
     path = Path(checkpoint) if checkpoint else latest_checkpoint(run)
     with warnings.catch_warnings():  # DCP reading into one process is what is meant here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         model = load_checkpoint_model(model_cfg, path).eval()
+    if precision.qat:  # the forward it trained (and its export computes): MXFP4 experts
+        from .precision.qat import apply_mx_qat
+
+        apply_mx_qat(model, scale_mode=precision.scale_mode)
     return model, _run_tokenizer_path(run)
 
 
@@ -149,6 +162,7 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
 
 def run(cfg: GenerateConfig) -> list[dict]:
     """The completion record of every prompt, in order (module docstring)."""
+    from data_pipeline.chat import encode_prompt, load_chat_template
     from data_pipeline.tokenizer import encode_text
 
     if cfg.output is not None and Path(cfg.output).exists():
@@ -159,8 +173,15 @@ def run(cfg: GenerateConfig) -> list[dict]:
                           else "cpu" if cfg.device == "auto" else cfg.device)
     model = model.to(device)
     draft = draft.to(device) if draft is not None else None
+    template = load_chat_template(cfg.chat_template) if cfg.chat else None
+
+    def encode(text: str) -> list[int]:
+        if template is None:
+            return encode_text(tokenizer, text)
+        return encode_prompt([{"role": "user", "content": text}], tokenizer, template)
+
     stops = []
-    for name in cfg.stop_tokens:
+    for name in [*cfg.stop_tokens, *(["<|im_end|>"] if cfg.chat else [])]:
         token = tokenizer.token_to_id(name)
         if token is None:
             raise ConfigError(f"stop_tokens: {name!r} is not a token of the tokenizer")
@@ -169,7 +190,7 @@ def run(cfg: GenerateConfig) -> list[dict]:
     records = []
     for start in range(0, len(texts), cfg.batch_size):
         batch = texts[start:start + cfg.batch_size]
-        ids = [encode_text(tokenizer, text) for text in batch]
+        ids = [encode(text) for text in batch]
         for i, tokens in enumerate(ids):
             if not tokens:
                 raise ConfigError(f"prompt {start + i} tokenises to nothing: {batch[i]!r}")

@@ -61,7 +61,7 @@ def test_the_readme_links_every_docs_page():
 
 @pytest.mark.parametrize("page, world, overrides", COMMANDS,
                          ids=[f"{p}: {w} ranks: {' '.join(o)}" for p, w, o in COMMANDS])
-def test_documented_command_validates(page, world, overrides):
+def test_documented_command_validates(page, world, overrides, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from train.cli import CONFIG_DIR, register_configs, to_train_config
@@ -70,6 +70,20 @@ def test_documented_command_validates(page, world, overrides):
     register_configs()
     with initialize_config_dir(CONFIG_DIR, version_base=None):
         cfg = to_train_config(compose("train", overrides=overrides))
+    if cfg.init_from is not None:  # the run an earlier command of the page makes: a stand-in
+        cfg.init_from = str(_exported_config(tmp_path / "init_from", cfg.model))
     if cfg.dry_run.world_size > 0:  # k3-train's start-up check of a dry run: its world, no data
         world = cfg.dry_run.world_size
     assert validate_train_config(cfg, world, data=cfg.dry_run.world_size == 0) is cfg
+
+
+def _exported_config(path, model):
+    """A directory init_from reads as a k3-export of `model` (its config.json only: the
+    start-up checks compare the model, the weights are read when the run starts)."""
+    import json
+    from dataclasses import asdict
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**asdict(model), "export": {},
+                                                  "quantization": {}}))
+    return path

@@ -83,3 +83,26 @@ def test_the_qat_sft_export_reloads_to_the_same_logits(sft_run, tmp_path):
         expected = trained(batch, return_logits=True).logits
         got = load_exported(export)(batch, return_logits=True).logits
     assert torch.equal(got, expected)
+
+
+def test_k3_generate_chat_prompts_the_fine_tuned_model_as_it_was_trained(sft_run):
+    """chat=true: the prompt is a user turn with the template's generation prompt, and the
+    end of the assistant's turn stops the completion; a QAT run's model has its MXFP4 forward."""
+    from data_pipeline.chat import K3_CHAT_TEMPLATE, encode_prompt
+    from data_pipeline.tokenizer import RESERVED_TOKENS, load_tokenizer
+    from train.generate import sample
+    from train.generate_cli import GenerateConfig, load_model, run
+
+    _, sft, _ = sft_run
+    question = "Where does the river Lundruten flow?"
+    (record,) = run(GenerateConfig(run_dir=str(sft), chat=True, prompt=question,
+                                   max_new_tokens=12))
+    model, tokenizer_path = load_model(str(sft), None, None)
+    # A QAT run generates with the forward it trained: MXFP4 experts.
+    assert all(moe.experts.weight_fake_quant is not None for moe in model.moe_layers())
+    tokenizer = load_tokenizer(tokenizer_path)
+    ids = encode_prompt([{"role": "user", "content": question}], tokenizer, K3_CHAT_TEMPLATE)
+    stops = [RESERVED_TOKENS.index("<eod>"), RESERVED_TOKENS.index("<|im_end|>")]
+    expected = sample(model, [ids], 12, stop_token_ids=stops)[0]
+    assert record["tokens"] == expected.tokens
+    assert record["finish_reason"] == expected.finish_reason

@@ -13,6 +13,7 @@ from data_pipeline.chat import (
     K3_CHAT_TEMPLATE,
     NoAssistantTokens,
     encode_chat,
+    encode_prompt,
     load_chat_template,
     render_chat,
     without_generation_markers,
@@ -162,6 +163,18 @@ def test_the_mask_is_exactly_each_assistant_turn(tok, name):
     for message in messages:
         if message["role"] in ("user", "tool") and isinstance(message["content"], str):
             assert message["content"] in unmasked
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_a_prompt_is_the_conversation_up_to_the_assistants_first_token(tok, name):
+    """encode_prompt of the conversation before its last assistant turn: the full conversation's
+    ids up to that turn's first learned token (the generation prompt included), which follows."""
+    messages, tools = CONVERSATIONS[name]
+    ids, mask = encode_chat(messages, tok, K3_CHAT_TEMPLATE, tools)
+    prompt = encode_prompt(messages[:-1], tok, K3_CHAT_TEMPLATE, tools)
+    first = max(i for i in range(1, len(mask)) if mask[i] and not mask[i - 1])
+    assert prompt == ids[:first]
+    assert tok.decode(prompt, skip_special_tokens=False).endswith(HEADER)
 
 
 def test_k3_template_renders_kimi_k2_format(tok):
