@@ -37,7 +37,7 @@ def _metrics(run_dir) -> list[dict]:
 def sft_run(tmp_path_factory, sample_data_dir):
     root = tmp_path_factory.mktemp("sft")
     pretrained = root / "pretrain"
-    out = subprocess.run(train_cmd(pretrained, sample_data_dir, "steps=30", "eval.every=0",
+    out = subprocess.run(train_cmd(pretrained, sample_data_dir, "steps=15", "eval.every=0",
                                    "logging.wandb=false"),
                          cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
