@@ -38,7 +38,10 @@ setup(
                 # test_chat.py checks data_pipeline.chat against apply_chat_template; 5.25 is the
                 # version tested, and it accepts the tokenizers 0.23 / huggingface_hub 2.4 /
                 # safetensors 0.8 installed beside it without changing them
-                "transformers>=5.25,<6"],
+                "transformers>=5.25,<6",
+                # test_decode.py holds the KDA decode state to fla's naive recurrence (a pure
+                # torch file of fla-core, loaded without the package's triton kernels)
+                "fla-core>=0.4"],
         "gpu": ["transformer-engine[pytorch]>=2.0", "fla-core>=0.4"],
     },
     entry_points={
