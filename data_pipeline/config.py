@@ -384,6 +384,10 @@ class StageConfig:
     max_docs_per_row: int = 64  # document slots per row (cu_seqlens has B * this + 1 entries)
     num_workers: int = 0  # loader worker processes
     seed: int = 1234  # data order
+    # token: the loss is the mean over the global batch's loss tokens (pre-training's, and
+    # SFT's usual choice); sequence: each document's (conversation's) mean, averaged over the
+    # documents with a loss token
+    loss_normalization: str = "token"
     long_docs: LongDocConfig = field(default_factory=lambda: LongDocConfig(num_docs=8))
 
     def validate(self, path: str = "stage") -> StageConfig:
@@ -397,6 +401,9 @@ class StageConfig:
                   "must be >= 2 (a document and the padding slot)")
         if self.num_workers < 0:
             _fail(f"{path}.num_workers", self.num_workers, "must be >= 0")
+        if self.loss_normalization not in ("token", "sequence"):
+            _fail(f"{path}.loss_normalization", self.loss_normalization,
+                  "must be one of ['sequence', 'token']")
         self.long_docs.validate(f"{path}.long_docs")
         return self
 

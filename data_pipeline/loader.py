@@ -78,8 +78,10 @@ class BatchSource(Dataset):
     def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
                  dp_rank: int, dp_world_size: int, seed: int, max_docs_per_row: int,
                  patch_size: int, merge_size: int, frames_per_chunk: int, grad_accum: int = 1,
-                 split: str = "train"):
+                 split: str = "train", loss_normalization: str = "token"):
         root = Path(manifest_path).parent
+        # "sequence": each document piece's loss tokens weigh 1 / their count (loss_weights)
+        self.per_document = loss_normalization == "sequence"
         manifest = json.loads(Path(manifest_path).read_text())
         if not manifest.get("complete"):
             raise ValueError(f"{manifest_path} is not a complete manifest")
@@ -175,6 +177,7 @@ class BatchSource(Dataset):
         T, S = self.seq_len, self.slots
         tokens = np.full((self.batch, T), PAD_ID, dtype=np.int64)
         labels = np.full((self.batch, T), IGNORE, dtype=np.int64)
+        weights = np.zeros((self.batch, T), dtype=np.float32) if self.per_document else None
         bounds = [0]
         items = []
         for b, row in enumerate(self.rows_for_step(step)):
@@ -189,6 +192,8 @@ class BatchSource(Dataset):
                 else:
                     target[target == IMAGE_ID] = IGNORE
                 labels[b, pos:pos + length - 1] = target
+                if weights is not None:
+                    weights[b, pos:pos + length - 1] = 1.0 / max(int((target != IGNORE).sum()), 1)
                 # the pictures whose placeholders are in the piece (a truncated conversation
                 # may end before some)
                 pictures = reader.vision_items(seq)
@@ -198,7 +203,8 @@ class BatchSource(Dataset):
                 bounds.append(b * T + pos)
             bounds += [(b + 1) * T] * ((b + 1) * S + 1 - len(bounds))
         return K3Batch(torch.from_numpy(tokens), torch.from_numpy(labels),
-                       torch.tensor(bounds, dtype=torch.long), self._vision(tokens, items))
+                       torch.tensor(bounds, dtype=torch.long), self._vision(tokens, items),
+                       None if weights is None else torch.from_numpy(weights))
 
     def _vision(self, tokens: np.ndarray, items: list) -> VisionInput | None:
         positions = np.flatnonzero(tokens.reshape(-1) == IMAGE_ID)
@@ -244,12 +250,13 @@ class K3DataLoader:
     def __init__(self, manifest_path: str | Path, seq_len: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0, num_workers: int = 0,
                  patch_size: int = 14, merge_size: int = 2, frames_per_chunk: int = 4,
-                 max_docs_per_row: int = 64, grad_accum: int = 1, split: str = "train"):
+                 max_docs_per_row: int = 64, grad_accum: int = 1, split: str = "train",
+                 loss_normalization: str = "token"):
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world_size={dp_world_size})")
         self.source = BatchSource(manifest_path, seq_len, micro_batch_size, dp_rank,
                                   dp_world_size, seed, max_docs_per_row, patch_size, merge_size,
-                                  frames_per_chunk, grad_accum, split)
+                                  frames_per_chunk, grad_accum, split, loss_normalization)
         self.num_workers = num_workers
         self.step = 0
         self._it = None
@@ -265,7 +272,8 @@ class K3DataLoader:
         grad_accum = stage.global_batch_size // (stage.micro_batch_size * dp_world_size)
         return cls(manifest_path, stage.seq_len, stage.micro_batch_size, dp_rank, dp_world_size,
                    stage.seed, stage.num_workers, max_docs_per_row=stage.max_docs_per_row,
-                   grad_accum=grad_accum, split=split, **kwargs)
+                   grad_accum=grad_accum, split=split,
+                   loss_normalization=stage.loss_normalization, **kwargs)
 
     @property
     def steps_per_epoch(self) -> int:

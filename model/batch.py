@@ -41,15 +41,27 @@ class K3Batch:
     # [N + 1] int64 over the flattened B*T tokens; None: one document per row
     cu_seqlens: torch.Tensor | None
     vision: VisionInput | None = None
+    # [B, T] float32 weight of each position's loss (per-conversation averaging: 1 / the
+    # conversation's loss tokens); None: every loss token weighs 1.
+    loss_weights: torch.Tensor | None = None
 
     def to(self, device) -> K3Batch:
         return K3Batch(self.tokens.to(device), self.labels.to(device),
                        None if self.cu_seqlens is None else self.cu_seqlens.to(device),
-                       None if self.vision is None else self.vision.to(device))
+                       None if self.vision is None else self.vision.to(device),
+                       None if self.loss_weights is None else self.loss_weights.to(device))
+
+    def loss_units(self) -> torch.Tensor:
+        """What the loss is averaged over, summed over this batch (a device tensor: no sync):
+        its loss tokens, or with loss_weights their weights (the conversations)."""
+        valid = self.labels != -100
+        if self.loss_weights is None:
+            return valid.sum()
+        return torch.where(valid, self.loss_weights.double(), 0.0).sum()
 
     @property
-    def num_loss_tokens(self) -> int:
-        return int((self.labels != -100).sum())
+    def num_loss_tokens(self) -> float:
+        return float(self.loss_units())
 
 
 def cu_seqlens_from_lengths(rows: list[list[int]], seq_len: int) -> torch.Tensor:

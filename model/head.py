@@ -34,10 +34,17 @@ def loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def full_logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed fp32 token cross entropy of logits [..., V] against labels [...]."""
-    return F.cross_entropy(logits.to(loss_dtype(logits.dtype)).flatten(0, -2), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+def full_logits_loss(logits: torch.Tensor, labels: torch.Tensor,
+                     weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed fp32 token cross entropy of logits [..., V] against labels [...], each token's
+    weighted by weights [...] where given."""
+    logits = logits.to(loss_dtype(logits.dtype)).flatten(0, -2)
+    if weights is None:
+        return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    per_token = F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                reduction="none")
+    return (per_token * weights.reshape(-1).to(per_token.dtype)).sum()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -48,10 +55,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, token_weights):
         valid = labels != IGNORE_INDEX
         targets = torch.where(valid, labels, torch.zeros_like(labels))
         wide = loss_dtype(hidden.dtype)
+        # Each token's weight in the sum: 1, or its loss weight; 0 where it has no label.
+        scale = valid.to(wide) if token_weights is None else torch.where(
+            valid, token_weights.to(wide), 0.0)
         lse = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         loss = torch.zeros((), dtype=wide, device=hidden.device)
         logits_buffer = _logits_buffer(hidden, weight, chunk_tokens, wide)
@@ -61,19 +71,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
             if not dispatch.call("log_sum_exp_rows", logits, lse[rows]):
                 _log_sum_exp_(logits, out=lse[rows])
-            loss += torch.where(valid[rows], lse[rows] - target_logit, 0.0).sum()
+            loss += (scale[rows] * (lse[rows] - target_logit)).sum()
         ctx.chunk_tokens = chunk_tokens
-        ctx.save_for_backward(hidden, weight, targets, valid, lse)
+        ctx.save_for_backward(hidden, weight, targets, scale, lse)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, targets, valid, lse = ctx.saved_tensors
+        hidden, weight, targets, token_scale, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         wide = lse.dtype
         grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
-        scale = torch.where(valid, grad_loss, 0.0)  # [N] fp32 (or wider)
+        scale = token_scale * grad_loss  # [N] fp32 (or wider)
         logits_buffer = _logits_buffer(hidden, weight, ctx.chunk_tokens, wide)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
@@ -86,7 +96,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight += (grad_logits.T @ hidden[rows]).to(wide)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int,
@@ -128,15 +138,18 @@ def _log_sum_exp_(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
-                                 labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+                                 labels: torch.Tensor, chunk_tokens: int,
+                                 token_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Summed fp32 cross entropy of F.linear(hidden, weight) against labels, chunk_tokens rows
-    at a time; hidden [..., d], weight [V, d], labels [...]. Equal to
-    `full_logits_loss(F.linear(hidden, weight), labels)`, with its gradients."""
+    at a time; hidden [..., d], weight [V, d], labels [...], each token's weighted by
+    token_weights [...] where given. Equal to `full_logits_loss(F.linear(hidden, weight),
+    labels, token_weights)`, with its gradients."""
     dtype = autocast_dtype(hidden.device.type)
     if dtype is not None:  # the dtype F.linear would compute in; backward then runs in it too
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                            labels.reshape(-1), chunk_tokens)
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_tokens,
+        None if token_weights is None else token_weights.reshape(-1))
 
 
 class LMHead(nn.Module):
@@ -150,13 +163,16 @@ class LMHead(nn.Module):
         self.chunk_tokens = cfg.loss_chunk_tokens  # 0: full logits (vocabulary-parallel path)
 
     def forward(self, sources: list[torch.Tensor], labels: torch.Tensor,
-                return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (loss_sum fp32, fp32 logits [..., V] if return_logits else None)."""
+                return_logits: bool = False, loss_weights: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (loss_sum fp32, fp32 logits [..., V] if return_logits else None); each
+        token's loss weighted by loss_weights [...] where given."""
         if return_logits or self.chunk_tokens == 0:
             logits = self.logits(sources)
-            return full_logits_loss(logits, labels), logits if return_logits else None
+            return (full_logits_loss(logits, labels, loss_weights),
+                    logits if return_logits else None)
         return chunked_linear_cross_entropy(self._hidden(sources), self.output.weight, labels,
-                                            self.chunk_tokens), None
+                                            self.chunk_tokens, loss_weights), None
 
     def logits(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """fp32 (float64 in a float64 model) logits [..., V]."""

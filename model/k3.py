@@ -15,7 +15,7 @@ from .cache import CacheSnapshot, DecodeCache, KDACache, MLACache
 from .config import K3Config
 from .decode import DecodeStep, Lengths, check_inputs, check_layers, extend, piece
 from .dtypes import autocast_dtype
-from .head import IGNORE_INDEX, LMHead
+from .head import LMHead
 from .init import Locate, Normal, Rule, fill_, parameter_key, random_seed
 from .kda import KimiDeltaAttention
 from .mla import GatedMLA
@@ -91,8 +91,10 @@ def embedded_in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class K3Output:
-    loss_sum: torch.Tensor  # summed token cross-entropy (fp32); divide by the global token count
-    num_tokens: torch.Tensor  # tokens that carry a loss in this micro-batch
+    # summed token cross-entropy (fp32; each weighted by batch.loss_weights where given): divide
+    # by the global count of loss units
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor  # loss units of this micro-batch (K3Batch.loss_units)
     logits: torch.Tensor | None = None
 
 
@@ -197,9 +199,9 @@ class K3Model(nn.Module):
     def forward(self, batch: K3Batch, return_logits: bool = False) -> K3Output:
         state = BlockState(self.embed_inputs(batch), self.cfg.attnres_block_size)
         self.run_layers(state, batch)
-        loss_sum, logits = self.head(state.sources(), batch.labels, return_logits)
-        num_tokens = (batch.labels != IGNORE_INDEX).sum()
-        return K3Output(loss_sum, num_tokens, logits)
+        loss_sum, logits = self.head(state.sources(), batch.labels, return_logits,
+                                     batch.loss_weights)
+        return K3Output(loss_sum, batch.loss_units(), logits)
 
     def new_cache(self, batch_size: int,
                   from_snapshot: CacheSnapshot | None = None) -> DecodeCache:

@@ -266,6 +266,12 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
               + _micro_batch_hint(cfg.stage, dp, _least_micro_batches(topo)))
     if topo.pp > 1:
         _check_pipeline(cfg, topo, cfg.stage.global_batch_size // micro)
+    if cfg.stage.loss_normalization == "sequence" and (topo.tp > 1 or topo.pp > 1
+                                                       or topo.cp > 1):
+        _fail("stage.loss_normalization", "sequence",
+              "takes data- and expert-parallel layouts only for now (parallel.tensor, "
+              "parallel.pipeline and parallel.context 1): their vocabulary-parallel loss, "
+              "pipeline stages and sequence fragments do not carry per-token weights yet")
     if cfg.stage.seq_len > cfg.model.max_seq_len:
         _fail("stage.seq_len", cfg.stage.seq_len,
               f"must be <= model.max_seq_len={cfg.model.max_seq_len}")

@@ -16,7 +16,6 @@ import torch
 
 from data_pipeline.manifest import manifest_path
 from model.batch import K3Batch
-from model.head import IGNORE_INDEX
 from model.k3 import K3Model
 from model.moe import update_balancers
 from model.ops import cpu as cpu_kernels
@@ -103,17 +102,19 @@ def write_marker(path: Path, step: int, env: DistEnv) -> None:
 
 def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch.device,
                      precision: PrecisionRecipe, parallel: ParallelPlan) -> torch.Tensor:
-    """Accumulates gradients of the global-token-mean loss; returns the step's mean loss."""
+    """Accumulates gradients of the loss averaged over the global batch's loss units (tokens,
+    or conversations under per-conversation averaging); returns the step's mean loss."""
     micro_batches = [parallel.local_batch(mb) for mb in micro_batches]
     # A tensor, not a host number: the count needs no sync (and a dry run's fake tensors have
-    # no values to read).
-    local_tokens = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in micro_batches])
+    # no values to read). Summed in float64: per-document weights (1/n each) add up to their
+    # document count in any grouping of ranks and micro-batches, to far below fp32's rounding.
+    local_tokens = torch.stack([mb.loss_units() for mb in micro_batches])
     global_tokens = parallel.sum_loss_tokens(local_tokens.sum().reshape(1).to(device,
-                                                                              torch.float32))
+                                                                              torch.float64))
     if parallel.pipeline is not None:  # the schedule runs every micro-batch on every stage
         with parallel.loss_context():
-            loss = parallel.pipeline.step([mb.to(device) for mb in micro_batches], global_tokens,
-                                          precision.autocast)
+            loss = parallel.pipeline.step([mb.to(device) for mb in micro_batches],
+                                          global_tokens.float(), precision.autocast)
         return parallel.sum_loss_tokens(parallel.sum_over_stages(loss))
     loss_sum = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
@@ -121,7 +122,7 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
         with parallel.loss_context():
             with precision.autocast():
                 out = model(mb.to(device))
-            loss = out.loss_sum / global_tokens.squeeze().clamp_min(1.0)
+            loss = out.loss_sum / global_tokens.squeeze().clamp_min(1.0).to(out.loss_sum.dtype)
             loss.backward()
         loss_sum = loss_sum + loss.detach()  # in the loss's dtype (float64 for fp64)
     return parallel.sum_loss_tokens(loss_sum)

@@ -45,15 +45,25 @@ def tiny_config(optim: str, precision: str = "fp32") -> TrainConfig:
 DOCS = [[40, 24], [SEQ], [10, 30, 24], [SEQ]]  # document lengths of each row
 
 
-def global_batch(step: int, start: int = 0, count: int = GLOBAL_ROWS) -> K3Batch:
+def global_batch(step: int, start: int = 0, count: int = GLOBAL_ROWS,
+                 per_document: bool = False) -> K3Batch:
     """Rows [start, start + count) of step's global batch: GLOBAL_ROWS rows of SEQ tokens with
-    document boundaries, different every step."""
+    document boundaries, different every step. `per_document`: loss weights of 1 / each
+    document's loss tokens (stage.loss_normalization=sequence)."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(4, 2048, (GLOBAL_ROWS, SEQ), generator=g)
     labels = torch.roll(tokens, -1, 1)
     labels[:, -1] = -100
+    weights = None
+    if per_document:
+        weights = torch.zeros(GLOBAL_ROWS, SEQ)
+        for row, lengths in enumerate(DOCS):
+            for end, n in zip(torch.tensor(lengths).cumsum(0).tolist(), lengths):
+                weights[row, end - n:end] = 1.0 / int((labels[row, end - n:end] != -100).sum())
+        weights = weights[start:start + count]
     rows = slice(start, start + count)
-    return K3Batch(tokens[rows], labels[rows], cu_seqlens_from_lengths(DOCS[rows], SEQ))
+    return K3Batch(tokens[rows], labels[rows], cu_seqlens_from_lengths(DOCS[rows], SEQ),
+                   loss_weights=weights)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -178,8 +188,9 @@ def run_steps(cfg: TrainConfig, topology, steps: int = STEPS, micro_batches: int
         record.grads = {n: logical(p, p.grad, topology) for n, p in m.named_parameters()}
 
     for step in range(start, steps):
-        batches = [global_batch(step, dp_rank * per_rank + m * per_micro, per_micro)
-                   for m in range(micro_batches)]
+        per_document = cfg.stage.loss_normalization == "sequence"
+        batches = [global_batch(step, dp_rank * per_rank + m * per_micro, per_micro,
+                                per_document) for m in range(micro_batches)]
         result = train_step(model, optimizers, batches, torch.device("cpu"), precision, parallel,
                             cfg.optim, on_gradients=keep_grads if tensors and step == 0 else None)
         assert result.finite

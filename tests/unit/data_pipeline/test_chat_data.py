@@ -228,6 +228,32 @@ def test_labels_are_the_assistant_tokens_of_the_raw_conversations(chat_run):
     assert 0 < sum(mask) < len(mask) - 10
 
 
+def test_per_conversation_weights_make_each_conversation_weigh_one(chat_run):
+    """stage.loss_normalization=sequence: the loader's loss_weights give every target of a
+    conversation 1 / its targets, so each conversation with a target weighs 1 in the sum; with
+    token normalization there are none (every target weighs 1)."""
+    manifest = chat_run["out"] / "manifest.json"
+    weighted = K3DataLoader(manifest, 512, 4, seed=3, loss_normalization="sequence").source
+    plain = K3DataLoader(manifest, 512, 4, seed=3).source
+    assert plain[0].loss_weights is None
+    for step in range(3):
+        batch = weighted[step]
+        assert torch.equal(batch.labels, plain[step].labels)
+        bounds = batch.cu_seqlens.tolist()
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            if stop == start:  # the unused document slots
+                continue
+            row, a, b = start // 512, start % 512, start % 512 + (stop - start)
+            valid = batch.labels[row, a:b] != -100
+            if not valid.any():
+                continue
+            w = batch.loss_weights[row, a:b][valid]
+            assert torch.allclose(w, torch.full_like(w, 1 / int(valid.sum())))
+        conversations = sum(int((batch.labels.view(-1)[a:b] != -100).any())
+                            for a, b in zip(bounds[:-1], bounds[1:]))
+        assert float(batch.loss_units()) == pytest.approx(conversations, rel=1e-6)
+
+
 def test_a_conversation_with_two_pictures_gives_both_in_the_batch(chat_run):
     out, expected = chat_run["out"], Expected(chat_run["tok"])
     source = K3DataLoader(out / "manifest.json", 512, 1, seed=0).source

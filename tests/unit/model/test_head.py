@@ -38,6 +38,52 @@ def test_chunked_loss_and_gradients_equal_full_logits(chunk):
     assert torch.all(grads[0][0, :5] == 0)  # ignored tokens get no gradient
 
 
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_weighted_tokens_chunked_and_full_equal_the_weighted_sum(chunk):
+    """Per-token loss weights (per-conversation averaging): both paths give sum_t w_t CE_t
+    and its gradients, float64."""
+    g = torch.Generator().manual_seed(1)
+    n, d, vocab = 40, 16, 200
+    hidden = torch.randn(2, n // 2, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(vocab, d, generator=g, dtype=torch.float64) * 0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (2, n // 2), generator=g)
+    labels[0, :4] = IGNORE_INDEX
+    weights = torch.rand(2, n // 2, generator=g, dtype=torch.float64)
+    per_token = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), labels.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="none")
+    ref = (per_token * weights.reshape(-1)).sum()
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    for loss in (full_logits_loss(F.linear(hidden, weight), labels, weights),
+                 chunked_linear_cross_entropy(hidden, weight, labels, chunk, weights)):
+        grads = torch.autograd.grad(loss, (hidden, weight))
+        assert_close_rms(ref, loss, 1e-12, "weighted loss")
+        assert_close_rms(ref_grads[0], grads[0], 1e-12, "hidden gradient")
+        assert_close_rms(ref_grads[1], grads[1], 1e-12, "weight gradient")
+
+
+def test_per_document_weights_average_each_documents_mean_loss():
+    """K3Batch.loss_weights of 1 / (a document's loss tokens): the model's loss over its loss
+    units is the mean over documents of each document's mean token loss."""
+    torch.manual_seed(0)
+    model = K3Model(replace(k3_tiny(), vision=None)).double()
+    tokens = torch.randint(5, 2048, (2, 32))
+    labels = tokens.roll(-1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    labels[0, 9] = labels[0, 30:] = IGNORE_INDEX  # each document's last position: no target
+    docs = [(0, 0, 10), (0, 10, 32), (1, 0, 32)]  # (row, start, stop)
+    weights = torch.zeros(2, 32, dtype=torch.float64)
+    for row, start, stop in docs:
+        weights[row, start:stop] = 1.0 / int((labels[row, start:stop] != IGNORE_INDEX).sum())
+    batch = K3Batch(tokens, labels, cu_seqlens_from_lengths([[10, 22], [32]], 32),
+                    loss_weights=weights)
+    out = model(batch, return_logits=True)
+    per_token = F.cross_entropy(out.logits.flatten(0, 1), labels.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="none").view(2, 32)
+    means = [per_token[r, a:b][labels[r, a:b] != IGNORE_INDEX].mean() for r, a, b in docs]
+    assert float(out.num_tokens) == pytest.approx(3.0)
+    assert_close_rms(torch.stack(means).mean(), out.loss_sum / out.num_tokens, 1e-12, "loss")
+
+
 def test_chunked_loss_of_only_ignored_tokens_is_zero():
     hidden = torch.randn(6, 8, requires_grad=True)
     weight = torch.randn(10, 8, requires_grad=True)

@@ -38,3 +38,22 @@ def test_post_training_stages_select_their_data_precision_and_start(stage, preci
     typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
     typed.init_from = None  # the demo's pre-training run is not here
     validate_train_config(typed, world_size=1, data=False)
+
+
+@pytest.mark.parametrize("parallel, world", [(dict(tensor=2), 2), (dict(pipeline=2), 2),
+                                             (dict(context=2), 2)])
+def test_per_document_loss_is_refused_where_the_layout_cannot_weigh_tokens(parallel, world):
+    from model.errors import ConfigError
+    from train.config import ParallelConfig, TrainConfig, validate_train_config
+
+    cfg = TrainConfig(parallel=ParallelConfig(**parallel))
+    cfg.stage.loss_normalization = "sequence"
+    cfg.stage.global_batch_size = 4
+    cfg.stage.micro_batch_size = 1
+    with pytest.raises(ConfigError, match="stage.loss_normalization='sequence' is invalid"):
+        validate_train_config(cfg, world_size=world, data=False)
+    cfg.parallel = ParallelConfig(data=2)  # data parallelism weighs them
+    validate_train_config(cfg, world_size=2, data=False)
+    cfg.stage.loss_normalization = "conversation"
+    with pytest.raises(ConfigError, match="stage.loss_normalization='conversation'"):
+        validate_train_config(cfg, world_size=2, data=False)

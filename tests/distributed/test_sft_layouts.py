@@ -1,10 +1,13 @@
-"""`init_from` (train/init_from.py): a run starts from another run's weights in any layout. Two
-data-parallel ranks train k3_tiny for 2 steps (float64) and checkpoint; a tensor-parallel x
-expert-tensor-parallel run with sequence parallelism on the same 2 ranks and one process each
-start from that checkpoint: the first loss on the next batch is the same in both (it comes
-before any update, so it sees exactly the weights and Quantile Balancing biases that were
-loaded; measured equal to the last bit). One process that starts from the checkpoint's
-k3-export holds exactly the export's weights (its experts in MXFP4, so not the checkpoint's)."""
+"""Fine-tuning under the layouts. `init_from` (train/init_from.py): two data-parallel ranks
+train k3_tiny for 2 steps (float64) with per-document loss averaging
+(stage.loss_normalization=sequence: the same losses, first gradients and parameters as one
+process, within 1e-9) and checkpoint; a tensor-parallel x expert-tensor-parallel run with
+sequence parallelism on the same 2 ranks and one process each start from that checkpoint: the
+first loss on the next batch is the same in both (it comes before any update, so it sees
+exactly the weights and Quantile Balancing biases that were loaded; measured equal to the last
+bit), and the one-process model holds exactly the saved parameters. One process that starts
+from the checkpoint's k3-export holds exactly the export's weights (its experts in MXFP4, so
+not the checkpoint's)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from parallel.topology import Topology
 from tests.helpers.parallel_harness import (
     GLOBAL_ROWS,
     SEQ,
+    compare,
     global_batch,
     layout,
     run_steps,
@@ -56,13 +60,18 @@ def _started(cfg, topology, source: str, rank: int = 0, world: int = 1):
     return loaded, float(result.loss)
 
 
+def _per_document(cfg):
+    cfg.stage.loss_normalization = "sequence"
+    return cfg
+
+
 def _world(rank: int, world: int, run_dir: str) -> dict:
-    cfg = _config(data=2)
+    cfg = _per_document(_config(data=2))
     topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
     saved = run_steps(cfg, topology, SAVED_STEPS, save=Path(run_dir) / "checkpoints")
     topology.destroy()
     if rank == 0:
-        torch.save(saved.params, Path(run_dir) / "saved_params.pt")
+        torch.save(saved, Path(run_dir) / "saved_run.pt")
     checkpoint = Checkpointer(Path(run_dir) / "checkpoints", 1).latest()
     cfg = _config(tensor=2, sequence_parallel=True)
     topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
@@ -77,9 +86,13 @@ def test_init_from_a_dp2_checkpoint_into_tp2_and_one_process(tmp_path):
     (run_dir / ".hydra" / "config.yaml").write_text(
         OmegaConf.to_yaml(OmegaConf.structured(_config())))
     got = spawn(_world, 2, tmp_path / "world", str(run_dir))
+    # The saving run (per-document loss averaging on 2 data-parallel ranks) is the one-process
+    # run's: losses, first gradients, parameters after its steps.
+    saved = torch.load(run_dir / "saved_run.pt", weights_only=False)
+    errors = compare(run_steps(_per_document(_config()), None, SAVED_STEPS), saved)
+    assert all(e <= TOL for k, e in errors.items() if not k.startswith("worst_")), errors
     loaded, one = _started(_config(), None, got["checkpoint"])
-    saved = torch.load(run_dir / "saved_params.pt")  # the saving run's, after its steps
-    assert [k for k, v in saved.items() if not torch.equal(loaded[k], v)] == []
+    assert [k for k, v in saved.params.items() if not torch.equal(loaded[k], v)] == []
     assert abs(got["tp2"] - one) <= TOL * one, (got["tp2"], one)
     # An export (experts in MXFP4) loads exactly its own weights, biases included.
     export = export_checkpoint(run_dir, tmp_path / "export", dtype="fp32")
