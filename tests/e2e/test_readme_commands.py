@@ -5,6 +5,7 @@ elsewhere)."""
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -70,8 +71,12 @@ def test_documented_command_validates(page, world, overrides, tmp_path):
     register_configs()
     with initialize_config_dir(CONFIG_DIR, version_base=None):
         cfg = to_train_config(compose("train", overrides=overrides))
-    if cfg.init_from is not None:  # the run an earlier command of the page makes: a stand-in
+    # What an earlier command of the page makes (the pre-training run and its tokenizer):
+    # stand-ins.
+    if cfg.init_from is not None:
         cfg.init_from = str(_exported_config(tmp_path / "init_from", cfg.model))
+    if cfg.data.tokenizer.path is not None and not Path(cfg.data.tokenizer.path).exists():
+        cfg.data.tokenizer.path = str(_tokenizer(tmp_path / "tokenizer.json"))
     if cfg.dry_run.world_size > 0:  # k3-train's start-up check of a dry run: its world, no data
         world = cfg.dry_run.world_size
     assert validate_train_config(cfg, world, data=cfg.dry_run.world_size == 0) is cfg
@@ -86,4 +91,12 @@ def _exported_config(path, model):
     path.mkdir()
     (path / "config.json").write_text(json.dumps({**asdict(model), "export": {},
                                                   "quantization": {}}))
+    return path
+
+
+def _tokenizer(path):
+    """A tokenizer as k3-data trains one (the reserved chat tokens included)."""
+    from data_pipeline.tokenizer import train_tokenizer
+
+    train_tokenizer([f"the river {i} runs to the sea" for i in range(50)], 300).save(str(path))
     return path
