@@ -1,0 +1,1 @@
+"""On-policy post-training: losses of multi-teacher on-policy distillation and RL."""

@@ -1,0 +1,77 @@
+"""Losses of on-policy post-training, on single-device logits.
+
+- `reverse_kl`: KL(student || teacher) per token, averaged over the masked positions; the
+  full-vocabulary form of multi-teacher on-policy distillation (`mopd.kl=full`).
+- `sampled_reverse_kl`: its one-sample estimate at the student's own sampled tokens,
+  log p_s(y_t) - log p_t(y_t), the per-token signal of `mopd.kl=sampled` (used as a negative
+  advantage); its mean over y ~ p_s is the full KL.
+- `group_advantages` and `policy_gradient_loss`: GRPO-style group-normalised advantages over the
+  samples of one prompt, and the clipped importance-ratio objective against the rollout's
+  log-probabilities.
+
+Logits are divided by `temperature` first (the distribution the samples were drawn from); every
+reduction runs in fp32 or wider.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.dtypes import upcast
+
+
+def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} is invalid: must be > 0")
+    return torch.log_softmax(upcast(logits) / temperature, dim=-1)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of values [...] over mask [...] (0 for an empty mask)."""
+    weights = mask.to(values.dtype)
+    return (values * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+               temperature: float = 1.0) -> torch.Tensor:
+    """Token mean over `mask` [B, T] of KL(p_s || p_t), p = softmax(logits / temperature) of
+    student and teacher logits [B, T, V]; differentiable in the student's logits (the teacher's
+    are a target: pass them detached)."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student_logits {list(student_logits.shape)} and teacher_logits "
+                         f"{list(teacher_logits.shape)} must have one shape [B, T, V]")
+    log_s = _log_probs(student_logits, temperature)
+    log_t = _log_probs(teacher_logits, temperature)
+    per_token = (log_s.exp() * (log_s - log_t)).sum(dim=-1)
+    return _masked_mean(per_token, mask)
+
+
+def sampled_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                       tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p_s(y) - log p_t(y) [B, T] at the sampled tokens y [B, T] (the student's own
+    samples): an unbiased one-sample estimate of each position's KL(p_s || p_t)."""
+    log_s = _log_probs(student_logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
+    log_t = _log_probs(teacher_logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
+    return log_s - log_t
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [P, G] of G samples for each of P prompts -> (r - the group's mean) / (its
+    standard deviation + eps); a group whose samples score alike gets zero advantages."""
+    rewards = upcast(rewards)
+    mean = rewards.mean(dim=-1, keepdim=True)
+    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
+    return (rewards - mean) / (std + eps)
+
+
+def policy_gradient_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                         advantages: torch.Tensor, mask: torch.Tensor,
+                         clip: float = 0.2) -> torch.Tensor:
+    """The clipped surrogate, negated for minimisation, averaged over `mask` [B, T]:
+    -min(r A, clip(r, 1 - clip, 1 + clip) A) with r = exp(logprobs - rollout_logprobs) the
+    importance ratio of the current policy's log-probabilities [B, T] against those the tokens
+    were sampled with, and A the advantages [B, T] (a sequence's, repeated over its tokens)."""
+    ratio = (upcast(logprobs) - upcast(rollout_logprobs).detach()).exp()
+    advantages = upcast(advantages).detach()
+    clipped = ratio.clamp(1 - clip, 1 + clip)
+    return _masked_mean(-torch.minimum(ratio * advantages, clipped * advantages), mask)
