@@ -70,14 +70,27 @@ class GatedMLA(nn.Module):
     def decode(self, x: torch.Tensor, cache: MLACache, step: DecodeStep) -> torch.Tensor:
         """forward for the positions of one decode call (model/decode.py): their latents join
         the cached ones, and their queries attend to every slot of their document up to their
-        own, K and V expanded from the latents."""
+        own (the absorbed form: attention over the latents)."""
         latent = self.kv_a(x)
         end = step.offset + step.t
         cache.latent[:, step.offset:end] = latent
-        k, v = self._keys_values(cache.latent[:, :end].to(latent.dtype))
         backend = "reference" if self.backend == "reference" else "blockwise"
-        out = offset_doc_causal_attention(self._queries(x), k, v, step.query_documents,
-                                          step.key_documents, step.offset, self.scale, backend)
+        # The absorbed form: kv_b's key and value halves move to the query and the output, so
+        # each call attends over the normalised latents themselves (one shared head of
+        # kv_lora_rank + rope) instead of expanding K and V from every cached position.
+        ckv, k_rope = cache.latent[:, :end].to(latent.dtype).split([self.kv_lora_rank,
+                                                                     self.rope], dim=-1)
+        c = self.kv_a_norm(ckv)
+        w_k, w_v = self.kv_b.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank).split(
+            [self.nope, self.v_dim], dim=1)
+        q_nope, q_rope = self._queries(x).split([self.nope, self.rope], dim=-1)
+        heads = w_k.shape[0]
+        q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_k), q_rope], dim=-1)
+        k = torch.cat([c, k_rope], dim=-1)[:, :, None].expand(-1, -1, heads, -1)
+        out = offset_doc_causal_attention(q, k, c[:, :, None].expand(-1, -1, heads, -1),
+                                          step.query_documents, step.key_documents,
+                                          step.offset, self.scale, backend)
+        out = torch.einsum("bthr,hvr->bthv", out, w_v.to(out.dtype))
         return self._gated_output(out, x)
 
     def new_cache(self, batch_size: int) -> MLACache:
