@@ -10,7 +10,8 @@ seed, rows finishing at a stop token or their budget, and each sampled token's l
 One prefill call takes every prompt (right-padded, per-row lengths), then one decode call per
 new token for the whole batch; a finished row takes padding positions from then on, which
 neither its state nor any attention sees. Each step reads the sampled tokens on the host once
-(to stop rows and the loop), the one synchronisation of the engine.
+(to stop rows and the loop), the one synchronisation of the engine; under a parallel layout the
+ranks also agree, with one all-reduce of a flag a step, whether any of them still runs.
 
 The log-probability of a sampled token is under the distribution the sampler draws from before
 top-p: softmax(logits / temperature), the model's own (temperature 1) for greedy decoding.
