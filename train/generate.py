@@ -17,11 +17,18 @@ The log-probability of a sampled token is under the distribution the sampler dra
 top-p: softmax(logits / temperature), the model's own (temperature 1) for greedy decoding.
 Top-p renormalises within the smallest set of tokens whose probability reaches top_p (at least
 the most likely one); it changes which tokens can be drawn, not the reported log-probability.
+
+Row seeds (`row_seeds=`, one per prompt) make sampling batch-invariant: a row's draws come from
+a counter-based hash of its seed, its token index and the vocabulary index (Gumbel-max), not
+from a generator shared by the batch, so its completion does not depend on which other rows it
+is decoded with or on which rank (what RL needs for a data-parallel run to sample what one
+process samples, and a resumed episode to continue as it would have).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,12 +65,46 @@ def top_p_filter(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logprobs, float("-inf")).scatter(-1, order, ordered)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A bijective 32-bit integer hash (xor-shift-multiply) of ints or int64 tensors holding
+    values below 2**32; the products stay below 2**59, so int64 never overflows."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def row_seed_keys(row_seeds: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Each row seed (any int) folded into a 32-bit key [B] (int64)."""
+    keys = []
+    for seed in row_seeds:
+        seed &= (1 << 64) - 1
+        keys.append(_mix32((seed & _MASK32) ^ _mix32((seed >> 32) ^ 0x9E3779B9)))
+    return torch.tensor(keys, dtype=torch.long, device=device)
+
+
+def gumbel_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] (float64) of the rows' keys [B] at token index `step`: a
+    function of (key, step, vocabulary index) only."""
+    at_step = _mix32(keys ^ _mix32(step & _MASK32))
+    ids = _mix32(torch.arange(vocab, device=keys.device, dtype=torch.long) ^ 0x85EBCA6B)
+    uniform = (_mix32(at_step[:, None] ^ ids[None, :]).double() + 0.5) / 2.0 ** 32
+    return -torch.log(-torch.log(uniform))
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None, row_keys: torch.Tensor | None = None,
+                step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], their log-probabilities [B]) from next-token logits [B, V]: the argmax for
-    temperature 0, else a draw from softmax(logits / temperature) within top_p."""
+    temperature 0, else a draw from softmax(logits / temperature) within top_p: from
+    `generator`, or with `row_keys` (row_seed_keys) by Gumbel-max at token index `step`."""
     logprobs = next_token_distribution(logits, temperature)
-    if temperature > 0:
+    if temperature > 0 and row_keys is not None:
+        noise = gumbel_noise(row_keys, step, logprobs.shape[-1])
+        tokens = (top_p_filter(logprobs, top_p).double() + noise).argmax(dim=-1)
+    elif temperature > 0:
         weights = top_p_filter(logprobs, top_p).exp()
         tokens = torch.multinomial(weights, 1, generator=generator).squeeze(-1)
     else:
@@ -71,12 +112,27 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _check(model: K3Model, prompts, max_new_tokens: int, temperature: float,
-           top_p: float) -> None:
-    if not prompts:
+def _budgets(prompts, max_new_tokens) -> list[int]:
+    """Each prompt's budget of new tokens: `max_new_tokens` an int for all, or one per prompt."""
+    many = not isinstance(max_new_tokens, int)
+    budgets = list(max_new_tokens) if many else [max_new_tokens] * len(prompts)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"max_new_tokens has {len(budgets)} budgets for {len(prompts)} prompts: "
+                         f"give an int or one budget per prompt")
+    for i, budget in enumerate(budgets):
+        if not isinstance(budget, int) or budget < 0:
+            where = f"max_new_tokens[{i}]" if many else "max_new_tokens"
+            raise ValueError(f"{where}={budget!r} is invalid: must be an int >= 0")
+    return budgets
+
+
+def _check(model: K3Model, prompts, budgets: list[int], temperature: float, top_p: float,
+           layout: bool, row_seeds) -> None:
+    if not prompts and not layout:
         raise ValueError("prompts is empty: give at least one prompt (a list of token ids)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an int >= 0")
+    if row_seeds is not None and len(row_seeds) != len(prompts):
+        raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {len(prompts)} prompts: give "
+                         f"one per prompt")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} is invalid: must be >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
@@ -89,10 +145,10 @@ def _check(model: K3Model, prompts, max_new_tokens: int, temperature: float,
         if bad:
             raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): "
                              f"{bad[:5]}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > model.cfg.max_seq_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens="
-                         f"{max_new_tokens} exceeds model.max_seq_len={model.cfg.max_seq_len}")
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        if len(prompt) + budget > model.cfg.max_seq_len:
+            raise ValueError(f"prompts[{i}] ({len(prompt)} tokens) + its max_new_tokens={budget} "
+                             f"exceeds model.max_seq_len={model.cfg.max_seq_len}")
 
 
 class _Ranks:
@@ -122,24 +178,24 @@ class _Rows:
     """The completions being written and which rows still run (active: a device mask). The last
     `idle` rows are a layout's padding (_Ranks): done from the start, never returned."""
 
-    def __init__(self, batch: int, budget: int, stops: set[int], device: torch.device,
+    def __init__(self, budgets: list[int], stops: set[int], device: torch.device,
                  idle: int = 0):
-        self.completions = [Completion() for _ in range(batch)]
-        for completion in self.completions[batch - idle:]:
+        self.real = len(budgets)
+        self.completions = [Completion() for _ in range(self.real + idle)]
+        for completion in self.completions[self.real:]:
             completion.finish_reason = "stop"
-        self.real = batch - idle
-        self.budget, self.stops = budget, stops
-        self.active = torch.tensor([not self.finished(c) for c in self.completions],
+        self.budgets, self.stops = [*budgets, *[0] * idle], stops
+        self.active = torch.tensor([not self.finished(i) for i in range(len(self.completions))],
                                    device=device)
 
     def append(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[int]:
         """Each row's new tokens, cut after a stop token and at the budget (none for a finished
         row); returns how many each row took."""
         taken = []
-        for completion, row_tokens, row_logprobs in zip(self.completions, tokens, logprobs):
-            count = 0
+        for i, (row_tokens, row_logprobs) in enumerate(zip(tokens, logprobs)):
+            completion, count = self.completions[i], 0
             for token, logprob in zip(row_tokens, row_logprobs):
-                if completion.finish_reason == "stop" or len(completion.tokens) == self.budget:
+                if self.finished(i):
                     break
                 completion.tokens.append(token)
                 completion.logprobs.append(logprob)
@@ -147,15 +203,16 @@ class _Rows:
                 if token in self.stops:
                     completion.finish_reason = "stop"
             taken.append(count)
-        self.active &= torch.tensor([not self.finished(c) for c in self.completions],
+        self.active &= torch.tensor([not self.finished(i) for i in range(len(self.completions))],
                                     device=self.active.device)
         return taken
 
-    def finished(self, completion: Completion) -> bool:
-        return completion.finish_reason == "stop" or len(completion.tokens) == self.budget
+    def finished(self, row: int) -> bool:
+        completion = self.completions[row]
+        return completion.finish_reason == "stop" or len(completion.tokens) == self.budgets[row]
 
     def done(self) -> bool:
-        return all(self.finished(c) for c in self.completions)
+        return all(self.finished(i) for i in range(len(self.completions)))
 
 
 def _prefill(model: K3Model, prompts: Sequence[Sequence[int]], width: int):
@@ -185,13 +242,15 @@ def _masked(logits: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-           stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
-           speculative_tokens: int = 0,
-           group: dist.ProcessGroup | None = None) -> list[Completion]:
+def sample(model: K3Model, prompts: Sequence[Sequence[int]],
+           max_new_tokens: int | Sequence[int], temperature: float = 0.0, top_p: float = 1.0,
+           seed: int = 0, stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
+           speculative_tokens: int = 0, group: dist.ProcessGroup | None = None,
+           row_seeds: Sequence[int] | None = None) -> list[Completion]:
     """Each prompt's completion: the new tokens, their log-probabilities and why it ended
-    (module docstring). The same seed and prompts give the same completions. With a `draft`
+    (module docstring); `max_new_tokens` for every prompt or one budget per prompt. The same
+    seed and prompts give the same completions; `row_seeds` (one per prompt) instead of `seed`:
+    each row's completion from its own seed, whatever the batch (module docstring). With a `draft`
     model (the same vocabulary) and speculative_tokens = k > 0, each round the draft proposes k
     tokens that `model` verifies in one call (train/speculative.py): the completions are
     distributed as without it (greedy: the same tokens).
@@ -199,8 +258,15 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     Under a parallel layout every rank of `group` (None: the default group, when
     torch.distributed is initialized) calls this with the same arguments but its own prompts:
     tensor-parallel peers the same ones (they sample the same tokens from the same seed), data-
-    and expert-parallel ranks theirs (pass each its own seed for independent draws)."""
-    _check(model, prompts, max_new_tokens, temperature, top_p)
+    and expert-parallel ranks theirs (pass each its own seed for independent draws), possibly
+    none (the rank takes part in the others' calls)."""
+    device = model.embed.weight.device
+    ranks = _Ranks(group, device)
+    budgets = _budgets(prompts, max_new_tokens)
+    _check(model, prompts, budgets, temperature, top_p, ranks.group is not None, row_seeds)
+    if speculative_tokens > 0 and row_seeds is not None:
+        raise ValueError("row_seeds is not supported with speculative decoding: its acceptance "
+                         "draws come from the batch's generator (`seed`)")
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
         raise ValueError(f"speculative_tokens={speculative_tokens!r} is invalid: must be an int "
                          f">= 0")
@@ -209,23 +275,23 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     if speculative_tokens > 0:
         # Rejected drafts leave their slots behind as padding (DecodeCache.rewind): a round
         # takes k + 1 of them and yields at least one token.
-        longest, limit = max(len(p) for p in prompts), min(model.cfg.max_seq_len,
-                                                            draft.cfg.max_seq_len)
-        if longest - 1 + max_new_tokens * (speculative_tokens + 1) > limit:
-            raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens="
-                             f"{max_new_tokens} rounds of speculative_tokens="
-                             f"{speculative_tokens} + 1 slots may exceed max_seq_len={limit} "
-                             f"(the model's or the draft's): fewer speculative_tokens or "
-                             f"max_new_tokens")
-    if max_new_tokens == 0:
-        return [Completion() for _ in prompts]
-    device = model.embed.weight.device
-    ranks = _Ranks(group, device)
+        limit = min(model.cfg.max_seq_len, draft.cfg.max_seq_len)
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+            if len(prompt) - 1 + budget * (speculative_tokens + 1) > limit:
+                raise ValueError(f"prompts[{i}] ({len(prompt)} tokens) + max_new_tokens={budget} "
+                                 f"rounds of speculative_tokens={speculative_tokens} + 1 slots "
+                                 f"may exceed max_seq_len={limit} (the model's or the draft's): "
+                                 f"fewer speculative_tokens or max_new_tokens")
     real = len(prompts)
-    batch, width = ranks.max(real, max(len(p) for p in prompts))
+    batch, width, most = ranks.max(real, max((len(p) for p in prompts), default=0),
+                                   max(budgets, default=0))
+    if most == 0:  # no rank has a token to generate
+        return [Completion() for _ in prompts]
     prompts = [*prompts, *[[]] * (batch - real)]  # a layout's padding rows: empty
-    rows = _Rows(batch, max_new_tokens, set(stop_token_ids), device, idle=batch - real)
+    rows = _Rows(budgets, set(stop_token_ids), device, idle=batch - real)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+    row_keys = (row_seed_keys([*row_seeds, *[0] * (batch - real)], device)
+                if row_seeds is not None else None)
     with contextlib.ExitStack() as gathered:
         for m in (model, draft):
             if m is not None:
@@ -236,17 +302,18 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
             speculative_rounds(model, draft, prompts, width, rows, speculative_tokens,
                                temperature, top_p, generator, ranks)
         else:
-            _plain_rounds(model, prompts, width, rows, temperature, top_p, generator, ranks)
+            _plain_rounds(model, prompts, width, rows, temperature, top_p, generator, ranks,
+                          row_keys)
     return rows.completions[:rows.real]
 
 
 def _plain_rounds(model: K3Model, prompts, width: int, rows: _Rows, temperature: float,
-                  top_p: float, generator, ranks: _Ranks) -> None:
+                  top_p: float, generator, ranks: _Ranks, row_keys: torch.Tensor | None) -> None:
     """Fills `rows` a token per step until every rank's rows are done."""
     cache, logits = _prefill(model, prompts, width)
     logits = _masked(logits, rows.active)
-    while True:
-        new, logprobs = sample_next(logits, temperature, top_p, generator)
+    for step in itertools.count():
+        new, logprobs = sample_next(logits, temperature, top_p, generator, row_keys, step)
         # The one host read of a step: the tokens and their log-probabilities.
         rows.append([[t] for t in new.tolist()], [[lp] for lp in logprobs.tolist()])
         if ranks.all(rows.done()):
@@ -256,7 +323,8 @@ def _plain_rounds(model: K3Model, prompts, width: int, rows: _Rows, temperature:
                                       last_only=True)[:, 0], rows.active)
 
 
-def generate(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def generate(model: K3Model, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int | Sequence[int],
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
              speculative_tokens: int = 0,

@@ -86,7 +86,8 @@ def speculative_rounds(model: K3Model, draft: K3Model, prompts, width: int, rows
     last = torch.tensor([p[-1] if p else pad for p in prompts], device=device)
     pending = [[p[-1]] if p else [] for p in prompts]  # accepted, not in the draft's cache yet
     while not ranks.all(rows.done()):
-        active, live = rows.active.clone(), [not rows.finished(c) for c in rows.completions]
+        active = rows.active.clone()
+        live = [not rows.finished(i) for i in range(len(rows.completions))]
         ones = active.long()
         # The draft: its pending tokens, then each draft but the last.
         lags = ranks.max(max(len(x) for x, a in zip(pending, live) if a) if any(live) else 1)[0]

@@ -113,8 +113,58 @@ def test_sampled_tokens_follow_the_distribution_and_the_nucleus():
     assert abs(share - expected) <= 5 * math.sqrt(expected * (1 - expected) / n)
 
 
+def test_row_seeds_make_each_rows_sample_independent_of_its_batch():
+    """With row seeds a prompt's sampled completion is the same alone, in a batch with other
+    prompts (of other lengths, in another order) and at a budget of its own; another seed draws
+    other tokens; the log-probabilities are the tempered ones, as with the shared generator."""
+    model = _model()
+    seeds = [11, 12, 13]
+    together = sample(model, PROMPTS, [8, 5, 8], temperature=1.0, row_seeds=seeds)
+    for i in range(3):
+        alone = sample(model, [PROMPTS[i]], 8, temperature=1.0, row_seeds=[seeds[i]])[0]
+        budget = len(together[i].tokens)
+        assert together[i].tokens == alone.tokens[:budget]
+        assert max(abs(a - b) for a, b in zip(together[i].logprobs, alone.logprobs)) <= 1e-12
+    assert len(together[1].tokens) == 5 and len(together[0].tokens) == 8
+    reordered = sample(model, PROMPTS[::-1], 8, temperature=1.0, row_seeds=seeds[::-1])
+    assert reordered[2].tokens == together[0].tokens
+    other = sample(model, [PROMPTS[0]], 8, temperature=1.0, row_seeds=[99])[0]
+    assert other.tokens != together[0].tokens
+
+
+def test_row_seeded_draws_follow_the_distribution_and_the_nucleus():
+    """20000 rows of one row of logits, each its own seed (Gumbel-max over the counter hash):
+    each token's frequency within 5 standard errors of softmax(logits / 0.5); top_p=0.6 draws
+    the nucleus only, renormalised; at another token index the draws are new ones."""
+    from train.generate import row_seed_keys
+
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]], dtype=torch.float64)
+    n = 20000
+    keys = row_seed_keys(range(n), torch.device("cpu"))
+    probs = torch.softmax(logits[0] / 0.5, dim=-1)
+    draws, logprobs = sample_next(logits.expand(n, -1), 0.5, 1.0, None, keys, step=0)
+    counts = torch.bincount(draws, minlength=5).double() / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((counts - probs).abs() <= 5 * sigma).all(), (counts, probs)
+    torch.testing.assert_close(logprobs, probs.log()[draws])
+    later, _ = sample_next(logits.expand(n, -1), 0.5, 1.0, None, keys, step=1)
+    # Independent draws agree with probability sum p^2 (0.43 here), not always.
+    same = (later == draws).double().mean().item()
+    expected = (probs ** 2).sum().item()
+    assert abs(same - expected) <= 5 * math.sqrt(expected * (1 - expected) / n)
+    draws, _ = sample_next(logits.expand(n, -1), 1.0, 0.6, None, keys)
+    p1 = torch.softmax(logits[0], dim=-1)
+    assert set(draws.tolist()) == {0, 1}
+    share = (draws == 0).double().mean().item()
+    expected = (p1[0] / (p1[0] + p1[1])).item()
+    assert abs(share - expected) <= 5 * math.sqrt(expected * (1 - expected) / n)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompts=[]), "prompts is empty"),
+    (dict(max_new_tokens=[4, 4]), "2 budgets for 3 prompts"),
+    (dict(max_new_tokens=[4, -2, 4]), r"max_new_tokens\[1\]=-2"),
+    (dict(row_seeds=[1]), "1 seeds for 3 prompts"),
     (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
     (dict(prompts=[[1, 5000]]), r"prompts\[0\] has token ids outside"),
     (dict(max_new_tokens=-1), "max_new_tokens=-1"),
