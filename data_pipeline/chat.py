@@ -192,6 +192,12 @@ def _chat_specials(tokenizer: Tokenizer, chat_template: str) -> list[str]:
     return [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
 
 
+def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of text a chat template rendered (its control tokens as such): a rollout's
+    tool observations and generation prompts."""
+    return _encoded(tokenizer, text).ids
+
+
 def _encoded(tokenizer: Tokenizer, text: str):
     saved = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = False  # the template's <|im_end|> etc. are control tokens

@@ -67,8 +67,13 @@ def run(cfg: DictConfig) -> int:
         train_cfg = to_train_config(cfg)
         from .config import validate_train_config
 
-        # A dry run reads no dataset: its data config is not checked.
-        validate_train_config(train_cfg, data=train_cfg.dry_run.world_size == 0)
+        # A dry run reads no dataset, post-training its tasks: the data config is not checked.
+        validate_train_config(train_cfg, data=train_cfg.dry_run.world_size == 0
+                              and train_cfg.posttrain == "none")
+        if train_cfg.posttrain != "none":
+            from .posttrain.loop import posttrain
+
+            return posttrain(train_cfg)
         return train(train_cfg)
     except ConfigError as e:  # also those found once the data is read (e.g. its vision sizes)
         print(f"k3-train: config error: {e}", file=sys.stderr)

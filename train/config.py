@@ -1,7 +1,7 @@
 """Typed training configuration (Hydra structured configs) and its start-up validation.
 
-Groups: model, data, stage, optim, parallel, precision, logging, checkpoint, eval (all
-overridable on the command line). `validate_train_config` runs before any process group or
+Groups: model, data, stage, optim, parallel, precision, logging, checkpoint, eval, and for
+post-training rollout, rl, mopd (all overridable on the command line). `validate_train_config` runs before any process group or
 allocation and names the field, the bad value and what would be valid.
 """
 
@@ -18,6 +18,7 @@ from model.errors import ConfigError
 from parallel.config import MoonEPConfig, ParallelConfig
 from parallel.topology import Topology
 
+from .posttrain.config import MOPDConfig, RLConfig, RolloutConfig, validate_posttrain
 from .startup_checks import check_betas, check_model_matches_data, check_no_secrets
 
 __all__ = ["ConfigError", "MoonEPConfig", "ParallelConfig", "TrainConfig",
@@ -157,6 +158,12 @@ class TrainConfig:
     fused_kernels: bool = False
     max_nonfinite_in_a_row: int = 5
     deterministic: bool = True
+    # On-policy post-training (train/posttrain): rl | mopd, with `rollout`, `rl` and `mopd`;
+    # none: training on `data`.
+    posttrain: str = "none"
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    mopd: MOPDConfig = field(default_factory=MOPDConfig)
 
 
 def _fail(path: str, value, valid: str) -> None:
@@ -241,6 +248,7 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
               "optimizer, parallel.expert=1, parallel.pipeline=1, device cpu (sharded DTensor "
               "and GPU parameters, expert and pipeline layouts are not offloaded yet)")
     topo = Topology.from_config(cfg.parallel, world_size, cfg.model)
+    validate_posttrain(cfg.posttrain, cfg.rollout, cfg.rl, cfg.mopd, topo)
     # Context parallelism splits the rows; sequence parallelism and the tensor-parallel MoE
     # (whose experts are split over expert or expert tensor parallel ranks) split the tokens.
     pieces = 2 if topo.cp > 1 and topo.context_layout == "zigzag" else 1
@@ -259,7 +267,8 @@ def validate_train_config(cfg: TrainConfig, world_size: int | None = None,
             _fail("parallel.moonep.transport", "symm_mem", f"{reason}: use collective")
     dp = topo.dp
     micro = cfg.stage.micro_batch_size * dp
-    if cfg.stage.global_batch_size % micro:
+    # Post-training's rows per step are the groups its rollouts finish: no global batch size.
+    if cfg.posttrain == "none" and cfg.stage.global_batch_size % micro:
         _fail("stage.global_batch_size", cfg.stage.global_batch_size,
               f"must be a multiple of micro_batch_size*data_parallel = "
               f"{cfg.stage.micro_batch_size}*{dp} = {micro}: "

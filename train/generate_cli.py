@@ -71,7 +71,7 @@ class GenerateConfig:
     chat_template: str | None = None  # a Jinja file or tokenizer_config.json; null: K3's
 
 
-def _run_tokenizer_path(run_dir: Path) -> Path:
+def run_tokenizer_path(run_dir: Path) -> Path:
     """The run's tokenizer; a relative path in its config is taken from the directory k3-train
     ran in (Hydra records it), wherever k3-generate runs."""
     config = run_dir / ".hydra" / "config.yaml"
@@ -138,7 +138,7 @@ def load_model(run_dir: str | None, checkpoint: str | None, export_dir: str | No
         from .precision.qat import apply_mx_qat
 
         apply_mx_qat(model, scale_mode=precision.scale_mode)
-    return model, _run_tokenizer_path(run)
+    return model, run_tokenizer_path(run)
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:

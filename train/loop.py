@@ -101,9 +101,13 @@ def write_marker(path: Path, step: int, env: DistEnv) -> None:
 
 
 def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch.device,
-                     precision: PrecisionRecipe, parallel: ParallelPlan) -> torch.Tensor:
+                     precision: PrecisionRecipe, parallel: ParallelPlan,
+                     loss_of=None) -> torch.Tensor:
     """Accumulates gradients of the loss averaged over the global batch's loss units (tokens,
-    or conversations under per-conversation averaging); returns the step's mean loss."""
+    or conversations under per-conversation averaging); returns the step's mean loss.
+    `loss_of(model, index, micro_batch)`: a micro-batch's summed loss over its loss units in
+    place of the model's token cross entropy (post-training objectives; not under pipeline
+    parallelism)."""
     micro_batches = [parallel.local_batch(mb) for mb in micro_batches]
     # A tensor, not a host number: the count needs no sync (and a dry run's fake tensors have
     # no values to read). Summed in float64: per-document weights (1/n each) add up to their
@@ -121,8 +125,9 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
         parallel.sync_gradients(last=i == len(micro_batches) - 1)
         with parallel.loss_context():
             with precision.autocast():
-                out = model(mb.to(device))
-            loss = out.loss_sum / global_tokens.squeeze().clamp_min(1.0).to(out.loss_sum.dtype)
+                loss_sum = (model(mb.to(device)).loss_sum if loss_of is None
+                            else loss_of(model, i, mb.to(device)))
+            loss = loss_sum / global_tokens.squeeze().clamp_min(1.0).to(loss_sum.dtype)
             loss.backward()
         loss_sum = loss_sum + loss.detach()  # in the loss's dtype (float64 for fp64)
     return parallel.sum_loss_tokens(loss_sum)
@@ -139,13 +144,13 @@ class StepResult:
 def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
                micro_batches: list[K3Batch], device: torch.device, precision: PrecisionRecipe,
                parallel: ParallelPlan, optim_cfg, on_gradients=None,
-               check_finite: bool = True) -> StepResult:
+               check_finite: bool = True, loss_of=None) -> StepResult:
     """One optimizer step on the micro-batches of this rank; the same code for every layout.
     `on_gradients(model)` sees the reduced gradients before clipping (tests read them). QK-Clip
     runs as the optimizers' post-step hook (QKClip, registered by build_parallel_model).
     `check_finite=False` steps without reading the loss and norm on the host (the dry run's
-    fake tensors have no values)."""
-    loss = forward_backward(model, micro_batches, device, precision, parallel)
+    fake tensors have no values). `loss_of`: forward_backward's."""
+    loss = forward_backward(model, micro_batches, device, precision, parallel, loss_of)
     parallel.finish_gradients()
     if on_gradients is not None:
         on_gradients(model)
@@ -168,16 +173,12 @@ def train_step(model: K3Model, optimizers: list[torch.optim.Optimizer],
     return StepResult(loss, grad_norm, finite, clip_row)
 
 
-def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: torch.device,
-                         storage=contextlib.nullcontext
-                         ) -> tuple[K3Model, PrecisionRecipe, ParallelPlan,
-                                    list[torch.optim.Optimizer]]:
-    """Model, precision, layout and optimizers, in that order (the optimizers see the sharded
-    parameters), and QK-Clip on the optimizers (optim.qk_clip_tau > 0). The model is built on
-    the meta device and the layout applied there; then only what this rank holds is
-    materialised on `device` and initialised, each part equal to that part of the
-    single-process model with the same seed (`cfg.seed`). `storage()`: the context the
-    parameters are created in (the dry run's fake tensors)."""
+def build_layout_model(cfg: TrainConfig, topology: Topology | None, device: torch.device,
+                       storage=contextlib.nullcontext
+                       ) -> tuple[K3Model, PrecisionRecipe, ParallelPlan]:
+    """`cfg.model` under this rank's layout, materialised and initialised from `cfg.seed` (see
+    build_parallel_model), with its precision recipe: a model to train, or one that only runs
+    forward (a post-training teacher)."""
     if device.type == "cpu":  # on every rank: the model's fp32 CPU ops take the C kernels
         cpu_kernels.install()
     with torch.device("meta"):
@@ -189,6 +190,20 @@ def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: to
                            activation_dtype=precision.dtype)
     with storage():
         parallel.materialize(device, cfg.seed)
+    return model, precision, parallel
+
+
+def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: torch.device,
+                         storage=contextlib.nullcontext
+                         ) -> tuple[K3Model, PrecisionRecipe, ParallelPlan,
+                                    list[torch.optim.Optimizer]]:
+    """Model, precision, layout and optimizers, in that order (the optimizers see the sharded
+    parameters), and QK-Clip on the optimizers (optim.qk_clip_tau > 0). The model is built on
+    the meta device and the layout applied there; then only what this rank holds is
+    materialised on `device` and initialised, each part equal to that part of the
+    single-process model with the same seed (`cfg.seed`). `storage()`: the context the
+    parameters are created in (the dry run's fake tensors)."""
+    model, precision, parallel = build_layout_model(cfg, topology, device, storage)
     optimizers = build_optimizer(model, cfg.optim, owns=parallel.owns,
                                  exchange=parallel.exchange)
     if cfg.optim.qk_clip_tau > 0:

@@ -19,7 +19,24 @@ def _fmt_tokens(x: float) -> str:
     return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"
 
 
+def posttrain_line(row: dict, total_steps: int) -> str:
+    """A post-training row: the rollouts' figures, then the step's (none without a finished
+    group)."""
+    parts = [f"step {row['step']}/{total_steps}"]
+    if "reward" in row:
+        parts += [f"reward {row['reward']:.3f}", f"passed {100 * row['passed']:.0f}%",
+                  f"length {row['response_length']:.1f}",
+                  f"over budget {100 * row['budget_hits']:.0f}%"]
+    if "loss" in row:
+        parts += [f"loss {row['loss']:.4f}", f"kl {row['kl']:.4f}", f"gnorm {row['grad_norm']:.3f}"]
+    parts += [f"{row['finished_episodes']} finished, {row['paused_episodes']} paused",
+              f"rollout {row['rollout_time_s']:.1f}s train {row['train_time_s']:.1f}s"]
+    return " | ".join(parts)
+
+
 def console_line(row: dict, total_steps: int) -> str:
+    if "rollout_time_s" in row:
+        return posttrain_line(row, total_steps)
     parts = [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.4f}"]
     if "val_loss" in row:
         parts.append(f"val loss {row['val_loss']:.4f}")

@@ -38,16 +38,26 @@ PANELS = (  # (title, [(row key, label)], log-scale y)
 )
 
 
+POSTTRAIN_PANELS = (
+    ("reward", [("reward", "reward"), ("passed", "passed")], False),
+    ("KL", [("kl", "per token")], False),
+    ("response length", [("response_length", "model tokens")], False),
+    ("time per step (s)", [("rollout_time_s", "rollout"), ("train_time_s", "training")], False),
+)
+
+
 def plot_run(rows: list[dict], path: Path) -> None:
-    """training.png: one panel per figure of PANELS, against the step. Rows without a figure
-    (not logged that step, or non-finite and stored as a string) are left out of its line."""
+    """training.png: one panel per figure of PANELS (POSTTRAIN_PANELS for a post-training run),
+    against the step. Rows without a figure (not logged that step, or non-finite and stored as
+    a string) are left out of its line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.5))
-    for ax, (title, series, log_y) in zip(axes, PANELS):
+    panels = POSTTRAIN_PANELS if any("rollout_time_s" in r for r in rows) else PANELS
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
+    for ax, (title, series, log_y) in zip(axes, panels):
         for key, label in series:
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), float)]
             if points:

@@ -10,12 +10,17 @@
   log-probabilities.
 
 Logits are divided by `temperature` first (the distribution the samples were drawn from); every
-reduction runs in fp32 or wider.
+reduction runs in fp32 or wider. The per-token forms (`token_logprobs`, `token_reverse_kl`,
+`policy_gradient_per_token`) also take the vocabulary-sharded logits (DTensor) of a
+tensor-parallel LM head, inside its loss context (torch's loss_parallel: a sharded log-softmax
+and cross entropy, the vocabulary sum reduced over the shards), and return plain [B, T] tensors.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from model.dtypes import upcast
 
@@ -24,6 +29,32 @@ def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} is invalid: must be > 0")
     return torch.log_softmax(upcast(logits) / temperature, dim=-1)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A per-token result as a plain tensor (a DTensor's reduced, replicated value)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at tokens [B, T] (ids in the vocabulary), [B, T]."""
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} is invalid: must be > 0")
+    flat = (upcast(logits) / temperature).flatten(0, -2)
+    per_token = F.cross_entropy(flat, tokens.reshape(-1), reduction="none")
+    return -_whole(per_token).view(tokens.shape)
+
+
+def token_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """KL(p_s || p_t) [B, T] of each position, p = softmax(logits / temperature)."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student_logits {list(student_logits.shape)} and teacher_logits "
+                         f"{list(teacher_logits.shape)} must have one shape [B, T, V]")
+    log_s = _log_probs(student_logits, temperature)
+    log_t = _log_probs(teacher_logits, temperature)
+    return _whole((log_s.exp() * (log_s - log_t)).sum(dim=-1))
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -37,22 +68,15 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask:
     """Token mean over `mask` [B, T] of KL(p_s || p_t), p = softmax(logits / temperature) of
     student and teacher logits [B, T, V]; differentiable in the student's logits (the teacher's
     are a target: pass them detached)."""
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student_logits {list(student_logits.shape)} and teacher_logits "
-                         f"{list(teacher_logits.shape)} must have one shape [B, T, V]")
-    log_s = _log_probs(student_logits, temperature)
-    log_t = _log_probs(teacher_logits, temperature)
-    per_token = (log_s.exp() * (log_s - log_t)).sum(dim=-1)
-    return _masked_mean(per_token, mask)
+    return _masked_mean(token_reverse_kl(student_logits, teacher_logits, temperature), mask)
 
 
 def sampled_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                        tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p_s(y) - log p_t(y) [B, T] at the sampled tokens y [B, T] (the student's own
     samples): an unbiased one-sample estimate of each position's KL(p_s || p_t)."""
-    log_s = _log_probs(student_logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
-    log_t = _log_probs(teacher_logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
-    return log_s - log_t
+    return (token_logprobs(student_logits, tokens, temperature)
+            - token_logprobs(teacher_logits, tokens, temperature))
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -64,14 +88,22 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
-def policy_gradient_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                         advantages: torch.Tensor, mask: torch.Tensor,
-                         clip: float = 0.2) -> torch.Tensor:
-    """The clipped surrogate, negated for minimisation, averaged over `mask` [B, T]:
+def policy_gradient_per_token(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                              advantages: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
+    """The clipped surrogate of each token, negated for minimisation, [B, T]:
     -min(r A, clip(r, 1 - clip, 1 + clip) A) with r = exp(logprobs - rollout_logprobs) the
     importance ratio of the current policy's log-probabilities [B, T] against those the tokens
-    were sampled with, and A the advantages [B, T] (a sequence's, repeated over its tokens)."""
+    were sampled with, and A the advantages [B, T] (a sequence's, repeated over its tokens, or
+    each token's own)."""
     ratio = (upcast(logprobs) - upcast(rollout_logprobs).detach()).exp()
     advantages = upcast(advantages).detach()
     clipped = ratio.clamp(1 - clip, 1 + clip)
-    return _masked_mean(-torch.minimum(ratio * advantages, clipped * advantages), mask)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def policy_gradient_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                         advantages: torch.Tensor, mask: torch.Tensor,
+                         clip: float = 0.2) -> torch.Tensor:
+    """`policy_gradient_per_token` averaged over `mask` [B, T]."""
+    return _masked_mean(policy_gradient_per_token(logprobs, rollout_logprobs, advantages, clip),
+                        mask)
