@@ -1,8 +1,9 @@
 """Typed training configuration (Hydra structured configs) and its start-up validation.
 
 Groups: model, data, stage, optim, parallel, precision, logging, checkpoint, eval, and for
-post-training rollout, rl, mopd (all overridable on the command line). `validate_train_config` runs before any process group or
-allocation and names the field, the bad value and what would be valid.
+post-training rollout, rl, mopd (all overridable on the command line). `validate_train_config`
+runs before any process group or allocation and names the field, the bad value and what would
+be valid.
 """
 
 from __future__ import annotations

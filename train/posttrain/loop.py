@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from data_pipeline.chat import K3_CHAT_TEMPLATE, encode_prompt, encode_rendered, load_chat_template
+from data_pipeline.chat import (
+    K3_CHAT_TEMPLATE,
+    encode_prompt,
+    encode_rendered,
+    load_chat_template,
+)
 from data_pipeline.config import resolve_path
 from data_pipeline.tokenizer import load_tokenizer
 from model.errors import ConfigError
