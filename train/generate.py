@@ -85,10 +85,10 @@ def row_seed_keys(row_seeds: Sequence[int], device: torch.device) -> torch.Tenso
     return torch.tensor(keys, dtype=torch.long, device=device)
 
 
-def gumbel_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V] (float64) of the rows' keys [B] at token index `step`: a
-    function of (key, step, vocabulary index) only."""
-    at_step = _mix32(keys ^ _mix32(step & _MASK32))
+def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor | int, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] (float64) of the rows' keys [B] at their token indices `steps`
+    ([B] or one for all): a function of (key, step, vocabulary index) only."""
+    at_step = _mix32(keys ^ _mix32(torch.as_tensor(steps, device=keys.device) & _MASK32))
     ids = _mix32(torch.arange(vocab, device=keys.device, dtype=torch.long) ^ 0x85EBCA6B)
     uniform = (_mix32(at_step[:, None] ^ ids[None, :]).double() + 0.5) / 2.0 ** 32
     return -torch.log(-torch.log(uniform))
@@ -96,10 +96,11 @@ def gumbel_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
                 generator: torch.Generator | None, row_keys: torch.Tensor | None = None,
-                step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                step: torch.Tensor | int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], their log-probabilities [B]) from next-token logits [B, V]: the argmax for
     temperature 0, else a draw from softmax(logits / temperature) within top_p: from
-    `generator`, or with `row_keys` (row_seed_keys) by Gumbel-max at token index `step`."""
+    `generator`, or with `row_keys` (row_seed_keys) by Gumbel-max at each row's token index
+    `step` ([B] or one for all)."""
     logprobs = next_token_distribution(logits, temperature)
     if temperature > 0 and row_keys is not None:
         noise = gumbel_noise(row_keys, step, logprobs.shape[-1])
@@ -127,12 +128,14 @@ def _budgets(prompts, max_new_tokens) -> list[int]:
 
 
 def _check(model: K3Model, prompts, budgets: list[int], temperature: float, top_p: float,
-           layout: bool, row_seeds) -> None:
+           layout: bool, row_seeds, row_offsets) -> None:
     if not prompts and not layout:
         raise ValueError("prompts is empty: give at least one prompt (a list of token ids)")
     if row_seeds is not None and len(row_seeds) != len(prompts):
         raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {len(prompts)} prompts: give "
                          f"one per prompt")
+    if row_offsets is not None and (row_seeds is None or len(row_offsets) != len(prompts)):
+        raise ValueError("row_offsets needs row_seeds and one offset per prompt")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} is invalid: must be >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
@@ -246,11 +249,15 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]],
            max_new_tokens: int | Sequence[int], temperature: float = 0.0, top_p: float = 1.0,
            seed: int = 0, stop_token_ids: Sequence[int] = (), draft: K3Model | None = None,
            speculative_tokens: int = 0, group: dist.ProcessGroup | None = None,
-           row_seeds: Sequence[int] | None = None) -> list[Completion]:
+           row_seeds: Sequence[int] | None = None,
+           row_offsets: Sequence[int] | None = None) -> list[Completion]:
     """Each prompt's completion: the new tokens, their log-probabilities and why it ended
     (module docstring); `max_new_tokens` for every prompt or one budget per prompt. The same
     seed and prompts give the same completions; `row_seeds` (one per prompt) instead of `seed`:
-    each row's completion from its own seed, whatever the batch (module docstring). With a `draft`
+    each row's completion from its own seed, whatever the batch (module docstring), its draws
+    numbered from its `row_offsets` entry (default 0: a row continuing a sequence sampled with
+    the same seed passes the tokens already drawn, and draws what one call would have). With a
+    `draft`
     model (the same vocabulary) and speculative_tokens = k > 0, each round the draft proposes k
     tokens that `model` verifies in one call (train/speculative.py): the completions are
     distributed as without it (greedy: the same tokens).
@@ -263,7 +270,8 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]],
     device = model.embed.weight.device
     ranks = _Ranks(group, device)
     budgets = _budgets(prompts, max_new_tokens)
-    _check(model, prompts, budgets, temperature, top_p, ranks.group is not None, row_seeds)
+    _check(model, prompts, budgets, temperature, top_p, ranks.group is not None, row_seeds,
+           row_offsets)
     if speculative_tokens > 0 and row_seeds is not None:
         raise ValueError("row_seeds is not supported with speculative decoding: its acceptance "
                          "draws come from the batch's generator (`seed`)")
@@ -290,8 +298,12 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]],
     prompts = [*prompts, *[[]] * (batch - real)]  # a layout's padding rows: empty
     rows = _Rows(budgets, set(stop_token_ids), device, idle=batch - real)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    row_keys = (row_seed_keys([*row_seeds, *[0] * (batch - real)], device)
-                if row_seeds is not None else None)
+    row_keys = row_steps = None
+    if row_seeds is not None:
+        row_keys = row_seed_keys([*row_seeds, *[0] * (batch - real)], device)
+        offsets = [*(row_offsets if row_offsets is not None else [0] * real),
+                   *[0] * (batch - real)]
+        row_steps = torch.tensor(offsets, dtype=torch.long, device=device)
     with contextlib.ExitStack() as gathered:
         for m in (model, draft):
             if m is not None:
@@ -303,17 +315,19 @@ def sample(model: K3Model, prompts: Sequence[Sequence[int]],
                                temperature, top_p, generator, ranks)
         else:
             _plain_rounds(model, prompts, width, rows, temperature, top_p, generator, ranks,
-                          row_keys)
+                          row_keys, row_steps)
     return rows.completions[:rows.real]
 
 
 def _plain_rounds(model: K3Model, prompts, width: int, rows: _Rows, temperature: float,
-                  top_p: float, generator, ranks: _Ranks, row_keys: torch.Tensor | None) -> None:
+                  top_p: float, generator, ranks: _Ranks, row_keys: torch.Tensor | None,
+                  row_steps: torch.Tensor | None) -> None:
     """Fills `rows` a token per step until every rank's rows are done."""
     cache, logits = _prefill(model, prompts, width)
     logits = _masked(logits, rows.active)
     for step in itertools.count():
-        new, logprobs = sample_next(logits, temperature, top_p, generator, row_keys, step)
+        at = None if row_steps is None else row_steps + step
+        new, logprobs = sample_next(logits, temperature, top_p, generator, row_keys, at)
         # The one host read of a step: the tokens and their log-probabilities.
         rows.append([[t] for t in new.tolist()], [[lp] for lp in logprobs.tolist()])
         if ranks.all(rows.done()):

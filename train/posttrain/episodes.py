@@ -35,7 +35,10 @@ class Episode:
     reward: float = 0.0  # the outcome's reward minus the budget penalty, once finished
     outcome: str = ""  # the verifier's verdict (passed, failed, timeout, memory, judged)
     over_budget: bool = False  # more model tokens than the task's budget
-    env_state: dict | None = None  # the tool environment's state_dict (None: no tools)
+    env_state: dict | None = None  # the tool environment's state_dict (None: not started)
+    # The conversation so far as chat messages (the user's turn, the tool turns taken): what
+    # the chat template renders the next tool results after.
+    messages: list[dict] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -92,7 +95,9 @@ class EpisodePool:
             prompt = prompt_of(task)
             for _ in range(samples):
                 self.episodes.append(Episode(self.next_uid, self.next_group, task.id,
-                                             task.domain, list(prompt)))
+                                             task.domain, list(prompt),
+                                             messages=[{"role": "user",
+                                                        "content": task.prompt}]))
                 self.next_uid += 1
             self.next_group += 1
             started += 1

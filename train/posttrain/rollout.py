@@ -20,7 +20,6 @@ restart it continues on.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,9 +30,11 @@ import torch.distributed as dist
 from model.errors import ConfigError
 
 from ..generate import sample
-from .environments import make_environment, parse_tool_calls, tool_observation_text
+from .environments import make_environment, observe
 from .episodes import OBSERVATION, Episode
+from .plugins import load_plugin
 from .rewards import budget_penalty, outcome_reward
+from .tool_turns import parse_tool_calls, tool_observation_text, tool_turn_messages
 
 
 @dataclass
@@ -45,10 +46,11 @@ class Generated:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, contexts: list[list[int]], budgets: list[int],
-                 row_seeds: list[int]) -> list[Generated]:
+    def generate(self, contexts: list[list[int]], budgets: list[int], row_seeds: list[int],
+                 row_offsets: list[int]) -> list[Generated]:
         """Each context's continuation of at most its budget of tokens, ended by a stop token
-        (included) or the budget; called on every rank together (a rank may have none)."""
+        (included) or the budget; called on every rank together (a rank may have none). A
+        row's draws come from its seed, numbered from its offset (the tokens it already drew)."""
 
     def sync_weights(self, version: int) -> None:
         """The trainer's weights after `version` optimizer steps are the ones to sample with."""
@@ -63,11 +65,12 @@ class ColocatedEngine:
         self.stop_token_ids = list(stop_token_ids)
         self.version = 0
 
-    def generate(self, contexts, budgets, row_seeds) -> list[Generated]:
+    def generate(self, contexts, budgets, row_seeds, row_offsets) -> list[Generated]:
         self.model.eval()  # no Quantile Balancing counts from rollouts
         try:
             completions = sample(self.model, contexts, budgets, self.temperature, self.top_p,
-                                 stop_token_ids=self.stop_token_ids, row_seeds=row_seeds)
+                                 stop_token_ids=self.stop_token_ids, row_seeds=row_seeds,
+                                 row_offsets=row_offsets)
         finally:
             self.model.train()
         return [Generated(c.tokens, c.logprobs, [self.version] * len(c.tokens),
@@ -82,18 +85,17 @@ def load_engine(cfg, model: torch.nn.Module, stop_token_ids: Sequence[int]) -> R
     if spec == "colocated":
         return ColocatedEngine(model, cfg.rollout.temperature, cfg.rollout.top_p,
                                stop_token_ids)
-    module, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"rollout.engine={spec!r} cannot be loaded ({e}): give colocated or "
-                          f"package.module:attr") from e
+    factory = load_plugin(spec, "rollout.engine")
+    if not callable(factory):
+        raise ConfigError(f"rollout.engine={spec!r} is a {type(factory).__name__}: give "
+                          f"colocated or package.module:attr of a factory called as attr(cfg)")
     return factory(cfg)
 
 
 def episode_seed(seed: int, episode: Episode) -> int:
-    """The row seed of an episode's next call: the run's seed, the episode, its position."""
-    return (seed << 40) ^ (episode.uid << 20) ^ len(episode.tokens)
+    """The row seed of an episode: the run's seed and the episode (its draws are numbered by
+    its model tokens, so a paused episode continues as it would have)."""
+    return (seed << 32) ^ episode.uid
 
 
 @dataclass
@@ -127,26 +129,27 @@ def advance(episodes: list[Episode], engine: RolloutEngine, scoring: Scoring, se
     `iteration_tokens` model tokens this iteration (0: no limit), which pauses it; returns the
     ones paused. Every rank calls this together. `encode`: rendered chat text -> token ids."""
     spent = {e.uid: 0 for e in episodes}
-    paused: list[Episode] = []
+    paused: dict[int, Episode] = {}
     while True:
         want = []
         for e in episodes:
-            if e.done or e in paused:
+            if e.done or e.uid in paused:
                 continue
             room = min(max_new_tokens - e.model_tokens, seq_len - len(e.prompt) - len(e.tokens))
             if room <= 0:
                 _finish(e, "length", scoring)
             elif iteration_tokens and spent[e.uid] >= iteration_tokens:
                 e.pauses += 1
-                paused.append(e)
+                paused[e.uid] = e
             else:
                 want.append((e, room if not iteration_tokens
                              else min(room, iteration_tokens - spent[e.uid])))
         if not _any_rank(bool(want)):
-            return paused
+            return list(paused.values())
         generated = engine.generate([e.prompt + e.tokens for e, _ in want],
                                     [budget for _, budget in want],
-                                    [episode_seed(seed, e) for e, _ in want])
+                                    [episode_seed(seed, e) for e, _ in want],
+                                    [e.model_tokens for e, _ in want])
         for (e, _), g in zip(want, generated, strict=True):
             e.append(g.tokens, g.logprobs, g.versions)
             spent[e.uid] += len(g.tokens)
@@ -172,9 +175,12 @@ def _end_turn(e: Episode, scoring: Scoring, seq_len: int,
         env.reset(task)
     else:
         env.load_state_dict(e.env_state)
-    observations = [env.step(call) for call in calls]
+    observations = [observe(env, call) for call in calls]
     e.env_state = env.state_dict()
-    observed = encode(tool_observation_text(calls, observations, scoring.chat_template))
+    tools = task.tools if task.tools is not None else env.tools()
+    observed = encode(tool_observation_text(calls, observations, scoring.chat_template,
+                                            e.messages, tools))
+    e.messages = e.messages + tool_turn_messages(calls, observations, e.messages)
     e.turns += 1
     if len(e.prompt) + len(e.tokens) + len(observed) >= seq_len:
         _finish(e, "length", scoring)  # no room left to answer

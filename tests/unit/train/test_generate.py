@@ -115,8 +115,8 @@ def test_sampled_tokens_follow_the_distribution_and_the_nucleus():
 
 def test_row_seeds_make_each_rows_sample_independent_of_its_batch():
     """With row seeds a prompt's sampled completion is the same alone, in a batch with other
-    prompts (of other lengths, in another order) and at a budget of its own; another seed draws
-    other tokens; the log-probabilities are the tempered ones, as with the shared generator."""
+    prompts (of other lengths, in another order), at a budget of its own and continued in a
+    second call from its offset; another seed draws other tokens."""
     model = _model()
     seeds = [11, 12, 13]
     together = sample(model, PROMPTS, [8, 5, 8], temperature=1.0, row_seeds=seeds)
@@ -130,6 +130,11 @@ def test_row_seeds_make_each_rows_sample_independent_of_its_batch():
     assert reordered[2].tokens == together[0].tokens
     other = sample(model, [PROMPTS[0]], 8, temperature=1.0, row_seeds=[99])[0]
     assert other.tokens != together[0].tokens
+    # Continued in two calls (the first 3 tokens, then the rest from offset 3): one call's.
+    first = sample(model, [PROMPTS[0]], 3, temperature=1.0, row_seeds=[11])[0]
+    rest = sample(model, [PROMPTS[0] + first.tokens], 5, temperature=1.0, row_seeds=[11],
+                  row_offsets=[3])[0]
+    assert first.tokens + rest.tokens == together[0].tokens
 
 
 def test_row_seeded_draws_follow_the_distribution_and_the_nucleus():
@@ -165,6 +170,7 @@ def test_row_seeded_draws_follow_the_distribution_and_the_nucleus():
     (dict(max_new_tokens=[4, 4]), "2 budgets for 3 prompts"),
     (dict(max_new_tokens=[4, -2, 4]), r"max_new_tokens\[1\]=-2"),
     (dict(row_seeds=[1]), "1 seeds for 3 prompts"),
+    (dict(row_offsets=[0, 0, 0]), "row_offsets needs row_seeds"),
     (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
     (dict(prompts=[[1, 5000]]), r"prompts\[0\] has token ids outside"),
     (dict(max_new_tokens=-1), "max_new_tokens=-1"),
