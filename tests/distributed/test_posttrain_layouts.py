@@ -56,8 +56,11 @@ def _episodes() -> list[Episode]:
                     list(prompts[uid // SAMPLES])) for uid in range(GROUPS * SAMPLES)]
 
 
-def _iteration(mode: str, kl: str, topology, **parallel) -> dict:
-    """One colocated iteration: rollouts, then the step; its figures and first gradients."""
+def _iteration(mode: str, kl: str, topology, shares: int = 1, **parallel) -> dict:
+    """One colocated iteration: rollouts, then the step; its figures and first gradients.
+    `shares`: one process trains the micro-batches of that many data-parallel ranks one after
+    the other (the MoE's routing of a micro-batch depends on the rows it holds: the
+    reference of a layout holds the same rows together)."""
     cfg = _config(mode, **parallel)
     cpu = torch.device("cpu")
     model, precision, plan, optimizers = build_parallel_model(cfg, topology, cpu)
@@ -78,8 +81,12 @@ def _iteration(mode: str, kl: str, topology, **parallel) -> dict:
     groups = [[e for e in episodes if e.group == g] for g in range(GROUPS)]
     rows = rows_of(groups, {"a": 0, "b": 1}.get if mode == "mopd" else None)
     objective = Objective(mode, 0.2, 1.0, kl, 0.0, teachers)
-    batches = objective.micro_batches(rows, dp_rank, dp, cfg.stage.micro_batch_size, SEQ, 0, 0,
-                                      -1, cpu)
+    batches, sides = [], []
+    for share in range(dp_rank, dp_rank + shares):
+        batches += objective.micro_batches(rows, share, max(dp, shares),
+                                           cfg.stage.micro_batch_size, SEQ, 0, 0, -1, cpu)
+        sides += objective.sides
+    objective.sides = sides
     grads = {}
 
     def keep(m):
@@ -119,12 +126,13 @@ def _world(rank: int, world: int, reference: str) -> dict:
             topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
             got = _iteration(mode, kl, topology, **parallel)
             topology.destroy()
-            out[f"{name}/{mode}/{kl}"] = _errors(refs[f"{mode}/{kl}"], got)
+            out[f"{name}/{mode}/{kl}"] = _errors(refs[f"{name}/{mode}/{kl}"], got)
     return out
 
 
 def test_rl_and_mopd_iterations_under_dp2_and_tp2_equal_one_process(tmp_path):
-    refs = {f"{mode}/{kl}": _iteration(mode, kl, None) for mode, kl in MODES}
+    refs = {f"{name}/{mode}/{kl}": _iteration(mode, kl, None, shares)
+            for name, shares in (("dp2", 2), ("tp2_sp", 1)) for mode, kl in MODES}
     for ref in refs.values():  # the case is not degenerate: rewards differ within groups
         assert len(set(ref["rewards"])) > GROUPS and ref["loss"] != 0.0
     torch.save(refs, tmp_path / "reference.pt")
