@@ -178,10 +178,17 @@ def encode_prompt(messages: list[dict], tokenizer: Tokenizer, chat_template: str
     with the template's generation prompt: what the model was fine-tuned to answer. Raises as
     encode_chat does (no assistant turn is needed)."""
     specials = _chat_specials(tokenizer, chat_template)
+    return _encoded(tokenizer, render_prompt(messages, chat_template, tools, specials)).ids
+
+
+def render_prompt(messages: list[dict], chat_template: str, tools: list[dict] | None = None,
+                  specials=RESERVED_TOKENS) -> str:
+    """The text encode_prompt tokenizes: the conversation rendered with the template's generation
+    prompt, after the checks of render_chat (no assistant turn is needed)."""
     messages = _checked_messages(messages, to_learn=False)
     _check_no_special_text(specials, messages, tools)
     text, _ = _render(_compile(chat_template), messages, tools, add_generation_prompt=True)
-    return _encoded(tokenizer, text).ids
+    return text
 
 
 def _chat_specials(tokenizer: Tokenizer, chat_template: str) -> list[str]:
