@@ -24,7 +24,7 @@ MEMORY_ERROR_EXIT = 3  # the harness's exit code for a MemoryError
 @dataclass
 class Verdict:
     reward: float
-    reason: str  # passed | failed | timeout | memory
+    reason: str  # passed | failed | timeout | memory (| judged: rewards.outcome_reward)
     detail: str = ""  # the end of the run's stderr, for a failure
 
 
