@@ -13,6 +13,17 @@
                                   questions about the invented towns and animals, tool calls
                                   (lookup_town, add), questions about shape scenes (one or two
                                   pictures), planted duplicates and broken records
+    tasks/tasks.jsonl             RL tasks (train/posttrain/tasks.py): arithmetic ("What is
+                                  7 + 5?", three-digit ones with the calculator tool), questions
+                                  about the letters of an invented word (reverse, capitals,
+                                  first, last, count) and tiny Python functions with their tests
+                                  and reference solution ("solution"). Budgets by effort: low 8
+                                  tokens (one-digit sums and differences, first and last
+                                  letters), medium 16 (two-digit ones, capitals, counts), high
+                                  32 (reversal), max 64 (a calculator call, a function)
+    tasks/sft.jsonl               conversations showing the same kinds of tasks on other prompts
+                                  (configs/data/tasks_sft.yaml), answered as the verifiers accept
+                                  ("12"; code in a ```python block), calculator calls included
     planted.json                  every planted record with what the pipeline must do with it
                                   (the chat source's under "chat")
 
@@ -24,9 +35,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import operator
 import random
 import shutil
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -755,6 +768,131 @@ def build_chat(sample: Sample, rng: random.Random, cfg: DataConfig) -> None:
         sample.write(f"chat/chat_{f:03d}.jsonl", _jsonl(records))
 
 
+# ---------------------------------------------------------------- RL tasks
+
+# The budget (response tokens) of each effort level: an answer alone fits the low to high
+# budgets; a calculator call (~40 tokens with the sample's tokenizer) or a function needs max.
+EFFORT_BUDGETS = {"low": 8, "medium": 16, "high": 32, "max": 64}
+# The calculator environment's tool (train.posttrain.environments.CALCULATE; a test checks that
+# they agree, as the data pipeline does not import train).
+CALCULATE = {"type": "function", "function": {
+    "name": "calculate",
+    "description": "The value of an arithmetic expression: numbers, + - * / // % ** and "
+                   "parentheses.",
+    "parameters": {"type": "object",
+                   "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}
+_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+# kind: (operand range, operations, effort, with the calculator, tasks, conversations). No 0
+# operand: dedup ignores the operator, so "2 + 0" and "2 - 0" would be near duplicates.
+_ARITHMETIC = {"one_digit": ((1, 9), "+-", "low", False, 60, 102),
+               "two_digit": ((10, 99), "+-", "medium", False, 80, 700),
+               "calculator": ((100, 999), "+-*", "max", True, 40, 300)}
+# kind: (question about a word, its answer, effort)
+_WORD_QUESTIONS = {
+    "reverse": ("Reverse the word '{}'.", lambda w: w[::-1], "high"),
+    "upper": ("Write the word '{}' in capital letters.", str.upper, "medium"),
+    "first": ("What is the first letter of the word '{}'?", lambda w: w[0], "low"),
+    "last": ("What is the last letter of the word '{}'?", lambda w: w[-1], "low"),
+    "count": ("How many letters are in the word '{}'?", lambda w: str(len(w)), "medium"),
+}
+_WORD_TASKS, _WORD_SFT = 40, 150  # of each kind
+# function: (request, solution, its tests' assertions), all of a constant k
+_CODE_QUESTIONS = {
+    "shift": ("Write a Python function shift(x) that returns x plus {k}.",
+              "def shift(x):\n    return x + {k}",
+              lambda k: [f"shift(0) == {k}", f"shift({-k}) == 0", f"shift(10) == {10 + k}"]),
+    "scale": ("Write a Python function scale(x) that returns x times {k}.",
+              "def scale(x):\n    return x * {k}",
+              lambda k: ["scale(0) == 0", f"scale(3) == {3 * k}", f"scale(-2) == {-2 * k}"]),
+    "repeat": ("Write a Python function repeat(word) that returns the word repeated {k} times.",
+               "def repeat(word):\n    return word * {k}",
+               lambda k: [f"repeat('ab') == {'ab' * k!r}", "repeat('') == ''"]),
+    "is_multiple": ("Write a Python function is_multiple(n) that returns whether n is "
+                    "divisible by {k}.",
+                    "def is_multiple(n):\n    return n % {k} == 0",
+                    lambda k: [f"is_multiple({k}) is True", f"is_multiple({3 * k}) is True",
+                               f"is_multiple({3 * k + 1}) is False", "is_multiple(0) is True"]),
+}
+_CODE_CONSTANTS = range(2, 41)
+_CODE_TASKS, _CODE_SFT = 16, 140
+
+
+@dataclass
+class _Example:
+    """A question with its answer: a task (prompt and verifier fields) or, for other prompts, a
+    conversation (the prompt and the assistant's reply)."""
+
+    domain: str
+    prompt: str
+    effort: str
+    check: dict  # the task's verifier fields
+    reply: list[dict]  # the messages after the prompt: tool calls and results, the answer
+    tools: list[dict] | None = None
+
+
+def _arithmetic(a: int, op: str, b: int, effort: str, tool: bool) -> _Example:
+    answer = str(_OPERATIONS[op](a, b))
+    reply = [_say("assistant", answer)]
+    if not tool:
+        return _Example("math", f"What is {a} {op} {b}?", effort,
+                        {"verifier": "exact_match", "answer": answer}, reply)
+    call = _call(0, "calculate", {"expression": f"{a} {op} {b}"}, as_text=True)
+    reply = [{"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_0", "content": answer}] + reply
+    return _Example("math", f"What is {a} {op} {b}?", effort,
+                    {"verifier": "exact_match", "answer": answer, "environment": "calculator"},
+                    reply, [CALCULATE])
+
+
+def _word(word: str, kind: str) -> _Example:
+    question, answer, effort = _WORD_QUESTIONS[kind]
+    return _Example("string", question.format(word), effort,
+                    {"verifier": "exact_match", "answer": answer(word)},
+                    [_say("assistant", answer(word))])
+
+
+def _code(function: str, k: int) -> _Example:
+    request, solution, assertions = _CODE_QUESTIONS[function]
+    code = solution.format(k=k)
+    return _Example("code", request.format(k=k), "max",
+                    {"verifier": "python_unit_tests", "solution": code,
+                     "tests": "".join(f"assert {a}\n" for a in assertions(k))},
+                    [_say("assistant", f"```python\n{code}\n```")])
+
+
+def _examples(rng: random.Random):
+    """(kind, its examples, how many of them are tasks): distinct prompts, drawn at random."""
+    for kind, ((lo, hi), ops, effort, tool, tasks, conversations) in _ARITHMETIC.items():
+        size = hi - lo + 1  # (a, op, b) drawn by their index, a and b in [lo, hi]
+        picks = rng.sample(range(size * size * len(ops)), tasks + conversations)
+        yield kind, [_arithmetic(lo + i // (size * len(ops)), ops[i % len(ops)],
+                                 lo + i // len(ops) % size, effort, tool) for i in picks], tasks
+    words = sorted({a + b for a in _SYL for b in _SYL})  # invented words of two syllables
+    for kind in _WORD_QUESTIONS:
+        yield kind, [_word(w, kind) for w in rng.sample(words, _WORD_TASKS + _WORD_SFT)], \
+            _WORD_TASKS
+    functions = [(f, k) for f in _CODE_QUESTIONS for k in _CODE_CONSTANTS]
+    yield "code", [_code(f, k) for f, k in rng.sample(functions, _CODE_TASKS + _CODE_SFT)], \
+        _CODE_TASKS
+
+
+def build_tasks(sample: Sample, rng: random.Random) -> None:
+    """tasks/tasks.jsonl (RL tasks) and tasks/sft.jsonl (conversations on the other prompts)."""
+    tasks, conversations = [], []
+    for kind, examples, n_tasks in _examples(rng):
+        tasks += [{"id": f"{kind}-{j:03d}", "domain": e.domain, "prompt": e.prompt, **e.check,
+                   "budget": EFFORT_BUDGETS[e.effort], "effort": e.effort}
+                  for j, e in enumerate(examples[:n_tasks])]
+        conversations += [{"id": f"sft-{kind}-{j:03d}", **({"tools": e.tools} if e.tools else {}),
+                           "messages": [_say("user", e.prompt), *e.reply]}
+                          for j, e in enumerate(examples[n_tasks:])]
+    rng.shuffle(tasks)
+    rng.shuffle(conversations)
+    sample.write("tasks/tasks.jsonl", _jsonl(tasks))
+    sample.write("tasks/sft.jsonl", _jsonl(conversations))
+
+
 def make_sample(root: Path = SAMPLE_DIR) -> dict:
     cfg = DataConfig()
     if root.exists():
@@ -765,6 +903,7 @@ def make_sample(root: Path = SAMPLE_DIR) -> dict:
     build_images(sample, rng, cfg)
     build_videos(sample, rng)
     build_chat(sample, random.Random(SEED + 1), cfg)  # its own stream: the rest stays as it was
+    build_tasks(sample, random.Random(SEED + 2))  # its own stream too
     sample.write("planted.json", json.dumps(sample.planted, indent=1, sort_keys=True) + "\n")
     return sample.planted
 
