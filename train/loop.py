@@ -125,9 +125,9 @@ def forward_backward(model: K3Model, micro_batches: list[K3Batch], device: torch
         parallel.sync_gradients(last=i == len(micro_batches) - 1)
         with parallel.loss_context():
             with precision.autocast():
-                loss_sum = (model(mb.to(device)).loss_sum if loss_of is None
-                            else loss_of(model, i, mb.to(device)))
-            loss = loss_sum / global_tokens.squeeze().clamp_min(1.0).to(loss_sum.dtype)
+                summed = (model(mb.to(device)).loss_sum if loss_of is None
+                          else loss_of(model, i, mb.to(device)))
+            loss = summed / global_tokens.squeeze().clamp_min(1.0).to(summed.dtype)
             loss.backward()
         loss_sum = loss_sum + loss.detach()  # in the loss's dtype (float64 for fp64)
     return parallel.sum_loss_tokens(loss_sum)

@@ -3,7 +3,8 @@ of MOPD with the sampled-token KL (two teachers, one per domain) on two data-par
 and on two tensor-parallel ranks with sequence parallelism equals one process (float64
 k3_tiny): the rollouts (each rank samples its share of the episodes; tensor-parallel peers the
 same ones) give the same tokens, log-probabilities and rewards, and the optimizer step the same
-loss, KL and gradients (within 1e-9; measured below 1e-13)."""
+loss, KL and gradients (within 1e-9; measured at most 4.4e-14). Under tensor parallelism the
+full KL reads the vocabulary-sharded logits of student and teachers."""
 
 from __future__ import annotations
 
@@ -109,8 +110,10 @@ def _errors(ref: dict, got: dict) -> dict:
                    for a, b in zip(x, y))
     return {"same_tokens": ref["tokens"] == got["tokens"],
             "same_rewards": ref["rewards"] == got["rewards"], "logprobs": logprobs,
-            "loss": rel(ref["loss"], got["loss"]), "grad": grad,
-            # RL's on-policy KL estimate is rounding noise around 0: its error absolute.
+            "grad": grad,
+            # On-policy, RL's KL estimate is rounding noise around 0, and so is its loss when
+            # the episodes are equally long (a group's advantages sum to 0): errors absolute.
+            "loss": rel(ref["loss"], got["loss"], floor=1.0),
             "kl": rel(ref["kl"], got["kl"], floor=1.0)}
 
 
@@ -133,8 +136,9 @@ def _world(rank: int, world: int, reference: str) -> dict:
 def test_rl_and_mopd_iterations_under_dp2_and_tp2_equal_one_process(tmp_path):
     refs = {f"{name}/{mode}/{kl}": _iteration(mode, kl, None, shares)
             for name, shares in (("dp2", 2), ("tp2_sp", 1)) for mode, kl in MODES}
-    for ref in refs.values():  # the case is not degenerate: rewards differ within groups
-        assert len(set(ref["rewards"])) > GROUPS and ref["loss"] != 0.0
+    for ref in refs.values():  # not degenerate: rewards differ within groups, gradients flow
+        assert len(set(ref["rewards"])) > GROUPS
+        assert sum(g.norm().item() for g in ref["grads"].values()) > 1e-3
     torch.save(refs, tmp_path / "reference.pt")
     got = spawn(_world, 2, tmp_path / "world", str(tmp_path / "reference.pt"))
     for case, errors in got.items():

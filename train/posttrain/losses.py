@@ -28,7 +28,14 @@ from model.dtypes import upcast
 def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} is invalid: must be > 0")
-    return torch.log_softmax(upcast(logits) / temperature, dim=-1)
+    x = upcast(logits) / temperature
+    if not isinstance(x, DTensor):
+        return torch.log_softmax(x, dim=-1)
+    # Vocabulary shards: from DTensor's own ops (max and sum over the shards reduced), not
+    # aten's log-softmax, whose loss_parallel backward passes the gradient through unchanged
+    # (it is only right beneath loss_parallel's cross entropy).
+    shifted = x - x.detach().amax(dim=-1, keepdim=True)
+    return shifted - shifted.exp().sum(dim=-1, keepdim=True).log()
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

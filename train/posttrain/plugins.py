@@ -8,10 +8,10 @@ import inspect
 from model.errors import ConfigError
 
 
-def load_plugin(spec: str, what: str) -> object:
-    """The object `spec` names, made: a class, or a function that can be called with no
-    arguments (a factory), is called and its result returned; any other attribute is returned as
-    it is. `what` names the plugin in errors ("judge", "environment").
+def load_plugin(spec: str, what: str, *args) -> object:
+    """The object `spec` names, made: a class, or a function that can be called with `args`
+    (none by default: a factory), is called with them and its result returned; any other
+    attribute is returned as it is. `what` names the plugin in errors ("judge", "environment").
 
     Raises ConfigError naming the spec when it is malformed, its module does not import, the
     attribute is missing, or calling it fails (a class that needs arguments included).
@@ -28,20 +28,20 @@ def load_plugin(spec: str, what: str) -> object:
     except AttributeError as e:
         raise ConfigError(f"{what} {spec!r}: module {module_name} has no attribute "
                           f"{attribute!r}") from e
-    if not (inspect.isclass(found) or _callable_without_arguments(found)):
+    if not (inspect.isclass(found) or _callable_with(found, args)):
         return found
     try:
-        return found()
+        return found(*args)
     except Exception as e:
         raise ConfigError(f"{what} {spec!r}: calling {attribute}() failed: "
                           f"{type(e).__name__}: {e}") from e
 
 
-def _callable_without_arguments(found: object) -> bool:
+def _callable_with(found: object, args: tuple) -> bool:
     if not callable(found):
         return False
     try:
-        inspect.signature(found).bind()
+        inspect.signature(found).bind(*args)
     except (TypeError, ValueError):  # ValueError: a builtin without a signature
         return False
     return True

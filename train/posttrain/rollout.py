@@ -85,11 +85,13 @@ def load_engine(cfg, model: torch.nn.Module, stop_token_ids: Sequence[int]) -> R
     if spec == "colocated":
         return ColocatedEngine(model, cfg.rollout.temperature, cfg.rollout.top_p,
                                stop_token_ids)
-    factory = load_plugin(spec, "rollout.engine")
-    if not callable(factory):
-        raise ConfigError(f"rollout.engine={spec!r} is a {type(factory).__name__}: give "
-                          f"colocated or package.module:attr of a factory called as attr(cfg)")
-    return factory(cfg)
+    engine = load_plugin(spec, "rollout.engine", cfg)
+    missing = [m for m in ("generate", "sync_weights") if not callable(getattr(engine, m, None))]
+    if missing:
+        raise ConfigError(f"rollout.engine={spec!r} made a {type(engine).__name__} without "
+                          f"{missing}: give colocated or package.module:attr, attr(cfg) making "
+                          f"a RolloutEngine")
+    return engine
 
 
 def episode_seed(seed: int, episode: Episode) -> int:

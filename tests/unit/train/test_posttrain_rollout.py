@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import json
 
-import torch
-
 from data_pipeline.chat import K3_CHAT_TEMPLATE, encode_rendered
 from data_pipeline.tokenizer import train_tokenizer
 from model.config import k3_tiny, replace
