@@ -1,8 +1,10 @@
 """The training half of an iteration: finished groups -> training rows on each data-parallel
 rank -> the RL or MOPD loss of each micro-batch (a `loss_of` for train.loop.train_step).
 
-A row is one episode, prompt and all, right-padded to `stage.seq_len`. Position t predicts
-token t + 1; it carries a loss when that token is the model's (not the prompt's, not a tool
+A row is one episode, prompt and all, right-padded to the step's width: the longest episode of
+the global batch rounded up to a multiple of WIDTH_MULTIPLE (at most `stage.seq_len`; every
+rank's rows are as wide, for the collectives of sequence and expert parallelism). Position t
+predicts token t + 1; it carries a loss when that token is the model's (not the prompt's, not a tool
 observation's) and was sampled by weights at most `rollout.max_staleness` steps old. The loss is
 averaged over those tokens of the whole global batch (the loop divides by their count).
 
@@ -33,6 +35,8 @@ from .losses import (
     token_logprobs,
     token_reverse_kl,
 )
+
+WIDTH_MULTIPLE = 64  # a multiple of every power-of-two count of sequence-parallel shards up to it
 
 
 @dataclass
@@ -88,6 +92,11 @@ class Objective:
                       device: torch.device) -> list[K3Batch]:
         """This rank's micro-batches of the global `rows` (every dp-th row from its own); the
         loss's side tensors are kept for loss_of."""
+        longest = max(len(r.episode.prompt) + len(r.episode.tokens) for r in rows)
+        width = min(seq_len, math.ceil(longest / WIDTH_MULTIPLE) * WIDTH_MULTIPLE)
+        if longest > seq_len:
+            raise ValueError(f"an episode has {longest} tokens, more than stage.seq_len="
+                             f"{seq_len}")
         per_rank = math.ceil(len(rows) / dp)
         count = math.ceil(per_rank / micro)
         shares = [rows[r::dp] + [None] * (count * micro - len(rows[r::dp])) for r in range(dp)]
@@ -98,7 +107,7 @@ class Objective:
             needed = sorted({row.teacher for share in shares
                              for row in share[i * micro:(i + 1) * micro]
                              if row is not None and row.teacher >= 0})
-            batch, side = _tensors(mine, seq_len, pad_id, version, max_staleness, self.mode)
+            batch, side = _tensors(mine, width, pad_id, version, max_staleness)
             side.needed = needed
             batches.append(batch.to(device))
             self.sides.append(_Side(*(t.to(device) for t in (side.targets,
@@ -153,7 +162,7 @@ def _logits(model: torch.nn.Module, mb: K3Batch) -> torch.Tensor:
 
 
 def _tensors(rows: list[Row | None], seq_len: int, pad_id: int, version: int,
-             max_staleness: int, mode: str) -> tuple[K3Batch, _Side]:
+             max_staleness: int) -> tuple[K3Batch, _Side]:
     b = len(rows)
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -166,9 +175,6 @@ def _tensors(rows: list[Row | None], seq_len: int, pad_id: int, version: int,
             continue
         e = row.episode
         seq = e.prompt + e.tokens
-        if len(seq) > seq_len:
-            raise ValueError(f"episode {e.uid} has {len(seq)} tokens, more than stage.seq_len="
-                             f"{seq_len}")
         n, start = len(seq), len(e.prompt) - 1  # position start predicts the first new token
         tokens[r, :n] = torch.tensor(seq)
         targets[r, :n - 1] = torch.tensor(seq[1:])
