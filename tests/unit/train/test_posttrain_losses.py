@@ -79,3 +79,20 @@ def test_policy_gradient_loss_gradient_matches_the_hand_derived_case():
     assert float(loss.detach()) == pytest.approx(-(1.1 - 0.8) / 2, rel=1e-12)
     grad, = torch.autograd.grad(loss, logprobs)
     assert torch.allclose(grad, torch.tensor([[-0.55, 0.0]], dtype=torch.float64), atol=1e-12)
+
+
+def test_reverse_kl_equals_trls_generalized_jsd_at_beta_one():
+    """TRL's GKD loss at beta=1 is KL(student || teacher) averaged over the labelled tokens
+    (optional: where TRL is installed)."""
+    pytest.importorskip("trl")
+    try:
+        from trl import GKDTrainer
+    except ImportError:  # newer TRL keeps it among the experimental trainers
+        from trl.experimental.gkd import GKDTrainer
+    student, teacher = _logits(0), _logits(1)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.bool)
+    labels = torch.where(mask, 0, -100)
+    theirs = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=1.0,
+                                             temperature=0.7)
+    torch.testing.assert_close(reverse_kl(student, teacher, mask, temperature=0.7),
+                               theirs.to(torch.float64), rtol=1e-6, atol=1e-9)
