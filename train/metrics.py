@@ -23,6 +23,11 @@ def posttrain_line(row: dict, total_steps: int) -> str:
     """A post-training row: the rollouts' figures, then the step's (none without a finished
     group)."""
     parts = [f"step {row['step']}/{total_steps}"]
+    if "eval_reward" in row:
+        parts += [f"eval reward {row['eval_reward']:.3f} (passed "
+                  f"{100 * row['eval_passed']:.0f}%, greedy)"]
+    if "rollout_time_s" not in row:  # the evaluation before the first step
+        return " | ".join(parts)
     if "reward" in row:
         parts += [f"reward {row['reward']:.3f}", f"passed {100 * row['passed']:.0f}%",
                   f"length {row['response_length']:.1f}",
@@ -35,7 +40,7 @@ def posttrain_line(row: dict, total_steps: int) -> str:
 
 
 def console_line(row: dict, total_steps: int) -> str:
-    if "rollout_time_s" in row:
+    if "rollout_time_s" in row or "eval_reward" in row:
         return posttrain_line(row, total_steps)
     parts = [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.4f}"]
     if "val_loss" in row:

@@ -39,7 +39,7 @@ PANELS = (  # (title, [(row key, label)], log-scale y)
 
 
 POSTTRAIN_PANELS = (
-    ("reward", [("reward", "reward"), ("passed", "passed")], False),
+    ("reward", [("reward", "sampled"), ("eval_reward", "greedy (eval)")], False),
     ("KL", [("kl", "per token")], False),
     ("response length", [("response_length", "model tokens")], False),
     ("time per step (s)", [("rollout_time_s", "rollout"), ("train_time_s", "training")], False),
@@ -62,7 +62,8 @@ def plot_run(rows: list[dict], path: Path) -> None:
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), float)]
             if points:
                 steps, values = zip(*points)
-                ax.plot(steps, values, label=label, marker="o" if key == "val_loss" else None)
+                ax.plot(steps, values, label=label,
+                        marker="o" if key in ("val_loss", "eval_reward") else None)
         if log_y and ax.lines:
             ax.set_yscale("log")
         if len(ax.lines) > 1:

@@ -15,6 +15,13 @@ KL_FORMS = ("sampled", "full")
 class RolloutConfig:
     # The task set (JSONL, train.posttrain.tasks); bundled://tasks/tasks.jsonl is the demo's.
     tasks: str = "bundled://tasks/tasks.jsonl"
+    # Only these domains and effort levels of it (empty: all): a specialist's share.
+    domains: list[str] = field(default_factory=list)
+    efforts: list[str] = field(default_factory=list)
+    max_tasks: int = 0  # the first this many of those, in file order (0: all)
+    # Every eval.every steps (and before the first), greedy answers to this many tasks (a fixed
+    # seeded sample of the selected ones): the policy's reward without sampling noise. 0: none.
+    eval_tasks: int = 32
     # The tokenizer the student was trained with; null: init_from's run's (its data config).
     tokenizer: str | None = None
     chat_template: str | None = None  # a Jinja file or tokenizer_config.json; null: K3's
@@ -74,6 +81,10 @@ def validate_posttrain(mode: str, rollout: RolloutConfig, rl: RLConfig, mopd: MO
     for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_turns"):
         if getattr(rollout, name) < 1:
             _fail(f"rollout.{name}", getattr(rollout, name), "must be >= 1")
+    if rollout.max_tasks < 0:
+        _fail("rollout.max_tasks", rollout.max_tasks, "must be >= 0 (0: every selected task)")
+    if rollout.eval_tasks < 0:
+        _fail("rollout.eval_tasks", rollout.eval_tasks, "must be >= 0 (0: no evaluation)")
     if rollout.iteration_tokens < 0:
         _fail("rollout.iteration_tokens", rollout.iteration_tokens, "must be >= 0 (0: no pauses)")
     if not rollout.temperature > 0:

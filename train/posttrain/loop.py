@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -52,6 +53,7 @@ from ..signals import EXIT_DONE, EXIT_PREEMPTED, PreemptionFlag
 from ..step_stats import peak_memory_gb
 from .environments import make_environment
 from .episodes import OBSERVATION, EpisodePool
+from .evaluation import eval_sample, evaluate, select_tasks
 from .objective import Objective, rows_of, trained_tokens
 from .rewards import load_judge
 from .rollout import Scoring, advance, gather_episodes, load_engine
@@ -127,7 +129,8 @@ def posttrain(cfg: TrainConfig) -> int:
     dp = topology.dp
     dp_rank = topology.rank_in("dp") if env.world_size > 1 else 0
     tasks_path = resolve_path(cfg.rollout.tasks)
-    tasks = load_tasks(tasks_path)
+    tasks = select_tasks(load_tasks(tasks_path), cfg.rollout.domains, cfg.rollout.efforts,
+                         cfg.rollout.max_tasks, cfg.rollout.tasks)
     tokenizer = load_tokenizer(_tokenizer_path(cfg))
     template = (load_chat_template(cfg.rollout.chat_template) if cfg.rollout.chat_template
                 else K3_CHAT_TEMPLATE)
@@ -167,6 +170,19 @@ def posttrain(cfg: TrainConfig) -> int:
     if fallbacks:
         metrics.note("resume/rejected_checkpoints", " | ".join(fallbacks))
     engine.sync_weights(step)
+    encode = functools.partial(encode_rendered, tokenizer)
+    eval_tasks = eval_sample(tasks, cfg.rollout.eval_tasks, cfg.seed + 1)
+
+    def evaluated(at: int) -> dict:
+        if not eval_tasks or cfg.eval.every <= 0:
+            return {}
+        if at != cfg.steps and at % cfg.eval.every:
+            return {}
+        return evaluate(model, eval_tasks, prompts, scoring, stops, cfg.rollout.max_new_tokens,
+                        cfg.stage.seq_len, encode, dp_rank, dp)
+
+    if latest is None and (before := evaluated(0)):
+        metrics.log({"step": 0, **before})
     preempt = PreemptionFlag()
     nonfinite_in_a_row, exit_code, failed = 0, EXIT_DONE, True
     if env.is_main:
@@ -188,8 +204,7 @@ def posttrain(cfg: TrainConfig) -> int:
             before = sum(e.model_tokens for e in pool.episodes)
             mine = [e for e in pool.episodes if e.uid in live][dp_rank::dp]
             advance(mine, engine, scoring, cfg.seed, cfg.rollout.max_new_tokens,
-                    cfg.rollout.iteration_tokens, cfg.stage.seq_len,
-                    lambda text: encode_rendered(tokenizer, text))
+                    cfg.rollout.iteration_tokens, cfg.stage.seq_len, encode)
             pool.replace(gather_episodes(mine))
             generated = sum(e.model_tokens for e in pool.episodes) - before
             paused = sum(not e.done for e in pool.episodes if e.uid in live)
@@ -217,7 +232,9 @@ def posttrain(cfg: TrainConfig) -> int:
             if result is not None:
                 row.update(loss=float(result.loss), grad_norm=float(result.grad_norm),
                            kl=float(kl) / max(trained, 1))
-            if step % cfg.logging.log_every == 0 or step == cfg.steps or not finite:
+            row.update(evaluated(step))
+            if (step % cfg.logging.log_every == 0 or step == cfg.steps or not finite
+                    or "eval_reward" in row):
                 metrics.log(row)
             if nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
                 raise NonFiniteLossError(
