@@ -48,6 +48,7 @@ from .config import SAMPLE_DIR, DataConfig
 from .conversations import chat_text, image_parts, picture_digest
 from .dedup import jaccard, word_shingles
 from .imaging import perceptual_signature
+from .tool_schemas import CALCULATE
 
 SEED = 20260
 CANVAS = 112
@@ -773,15 +774,6 @@ def build_chat(sample: Sample, rng: random.Random, cfg: DataConfig) -> None:
 # The budget (response tokens) of each effort level: an answer alone fits the low to high
 # budgets; a calculator call (~40 tokens with the sample's tokenizer) or a function needs max.
 EFFORT_BUDGETS = {"low": 8, "medium": 16, "high": 32, "max": 64}
-# The calculator environment's tool (train.posttrain.environments.CALCULATE; a test checks that
-# they agree, as the data pipeline does not import train).
-CALCULATE = {"type": "function", "function": {
-    "name": "calculate",
-    "description": "The value of an arithmetic expression: numbers, + - * / // % ** and "
-                   "parentheses.",
-    "parameters": {"type": "object",
-                   "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # kind: (operand range, operations, effort, with the calculator, tasks, conversations). No 0
 # operand: dedup ignores the operator, so "2 + 0" and "2 - 0" would be near duplicates.

@@ -94,6 +94,26 @@ def inject_rank_failure(step: int, rank: int) -> None:
         time.sleep(1e9)
 
 
+def checkpoint_and_stop(cfg: TrainConfig, step: int, env: DistEnv, preempt: PreemptionFlag,
+                        run_dir: Path, ckpt: Checkpointer, model: K3Model,
+                        optimizers: list[torch.optim.Optimizer], rank_state) -> bool:
+    """After step `step`: a checkpoint with this rank's `rank_state()` when one is due
+    (periodic, final, or every rank agrees a preemption signal came); returns whether the run
+    must stop for the preemption (PREEMPTED written)."""
+    preempted = preempt.agreed(env.device)
+    periodic = cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0
+    final = step == cfg.steps and cfg.checkpoint.save_at_end
+    if periodic or preempted or final:
+        path = ckpt.save(step, model, optimizers, rank_state())
+        if env.is_main:
+            log.info("checkpoint %s", path)
+    if preempted and step < cfg.steps:
+        log.warning("preemption signal received: checkpointed at step %d, exiting", step)
+        write_marker(run_dir / "PREEMPTED", step, env)
+        return True
+    return False
+
+
 def write_marker(path: Path, step: int, env: DistEnv) -> None:
     """DONE / PREEMPTED in the run directory: how the Slurm job script learns the outcome."""
     if env.is_main:
@@ -329,16 +349,8 @@ def train(cfg: TrainConfig) -> int:
                     f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
                     f"(last at step {step}); stopping. Lower optim.lr, check the data, or raise "
                     f"max_nonfinite_in_a_row.")
-            preempted = preempt.agreed(env.device)
-            periodic = cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0
-            final = step == cfg.steps and cfg.checkpoint.save_at_end
-            if periodic or preempted or final:
-                path = ckpt.save(step, model, optimizers, {"loader": loader.state_dict()})
-                if env.is_main:
-                    log.info("checkpoint %s", path)
-            if preempted and step < cfg.steps:
-                log.warning("preemption signal received: checkpointed at step %d, exiting", step)
-                write_marker(run_dir / "PREEMPTED", step, env)
+            if checkpoint_and_stop(cfg, step, env, preempt, run_dir, ckpt, model, optimizers,
+                                   lambda: {"loader": loader.state_dict()}):
                 exit_code = EXIT_PREEMPTED
                 break
         metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)

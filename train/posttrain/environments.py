@@ -19,6 +19,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from data_pipeline.tool_schemas import CALCULATE
 from model.errors import ConfigError
 
 from .plugins import load_plugin
@@ -74,13 +75,6 @@ def observe(env: Environment, call: ToolCall) -> str:
 
 # ------------------------------------------------------------------ the calculator
 
-CALCULATE = {"type": "function", "function": {
-    "name": "calculate",
-    "description": "The value of an arithmetic expression: numbers, + - * / // % ** and "
-                   "parentheses.",
-    "parameters": {"type": "object",
-                   "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 100
 MAX_MAGNITUDE = 1e100  # of every number and intermediate result

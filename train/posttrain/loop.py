@@ -40,6 +40,7 @@ from ..init_from import resolve as resolve_init_source
 from ..loop import (
     NonFiniteLossError,
     build_parallel_model,
+    checkpoint_and_stop,
     inject_rank_failure,
     seed_everything,
     train_step,
@@ -166,7 +167,8 @@ def posttrain(cfg: TrainConfig) -> int:
     metrics = MetricsLogger(run_dir, env.rank, cfg.logging, cfg.steps, step,
                             run_config=asdict(cfg))
     if latest is None and cfg.init_from is not None:
-        metrics.note("init/source", str(Path(cfg.init_from).resolve()))
+        source = resolve_init_source(cfg.init_from)
+        metrics.note("init/source", f"{source.kind} {source.path.resolve()}")
     if fallbacks:
         metrics.note("resume/rejected_checkpoints", " | ".join(fallbacks))
     engine.sync_weights(step)
@@ -181,8 +183,8 @@ def posttrain(cfg: TrainConfig) -> int:
         return evaluate(model, eval_tasks, prompts, scoring, stops, cfg.rollout.max_new_tokens,
                         cfg.stage.seq_len, encode, dp_rank, dp)
 
-    if latest is None and (before := evaluated(0)):
-        metrics.log({"step": 0, **before})
+    if latest is None and (baseline := evaluated(0)):  # the policy before any step
+        metrics.log({"step": 0, **baseline})
     preempt = PreemptionFlag()
     nonfinite_in_a_row, exit_code, failed = 0, EXIT_DONE, True
     if env.is_main:
@@ -240,17 +242,10 @@ def posttrain(cfg: TrainConfig) -> int:
                 raise NonFiniteLossError(
                     f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
                     f"(last at step {step}); stopping. Lower optim.lr or check the rewards.")
-            preempted = preempt.agreed(env.device)
-            periodic = cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0
-            final = step == cfg.steps and cfg.checkpoint.save_at_end
-            if periodic or preempted or final:
-                state = {"posttrain": pool.state_dict()} if env.is_main else {}
-                path = ckpt.save(step, model, optimizers, state)
-                if env.is_main:
-                    log.info("checkpoint %s (%d episodes in flight)", path, len(pool.episodes))
-            if preempted and step < cfg.steps:
-                log.warning("preemption signal received: checkpointed at step %d, exiting", step)
-                write_marker(run_dir / "PREEMPTED", step, env)
+            # The pool (rank 0's copy: every rank holds the same) goes with the checkpoint.
+            if checkpoint_and_stop(cfg, step, env, preempt, run_dir, ckpt, model, optimizers,
+                                   lambda: {"posttrain": pool.state_dict()} if env.is_main
+                                   else {}):
                 exit_code = EXIT_PREEMPTED
                 break
         metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)
