@@ -1,6 +1,7 @@
 """On-policy post-training under the layouts: one iteration of RL, of MOPD with the full KL and
-of MOPD with the sampled-token KL (two teachers, one per domain) on two data-parallel ranks
-and on two tensor-parallel ranks with sequence parallelism equals one process (float64
+of MOPD with the sampled-token KL (two teachers, one per domain) on two data-parallel ranks, on
+two tensor-parallel ranks with sequence parallelism and on two expert-parallel FSDP2 ranks
+(student and teachers sharded alike) equals one process (float64
 k3_tiny): the rollouts (each rank samples its share of the episodes; tensor-parallel peers the
 same ones) give the same tokens, log-probabilities and rewards, and the optimizer step the same
 loss, KL and gradients (within 1e-9; measured at most 4.4e-14). Under tensor parallelism the
@@ -27,6 +28,9 @@ TOL = 1e-9
 SEQ = 32
 GROUPS, SAMPLES, NEW = 3, 2, 6
 MODES = [("rl", "sampled"), ("mopd", "full"), ("mopd", "sampled")]
+LAYOUTS = {"dp2": dict(data=2), "tp2_sp": dict(tensor=2, sequence_parallel=True),
+           "ep2_fsdp2": dict(data=2, expert=2, data_shard="full")}
+SHARES = {"dp2": 2, "tp2_sp": 1, "ep2_fsdp2": 2}  # data-parallel ranks: their micro-batches
 TASKS = {f"t{g}": Task(id=f"t{g}", domain="ab"[g % 2], prompt="", verifier="judge", budget=4)
          for g in range(GROUPS)}
 
@@ -122,8 +126,7 @@ def _world(rank: int, world: int, reference: str) -> dict:
 
     refs = torch.load(reference, weights_only=False)
     out = {}
-    for name, parallel in (("dp2", dict(data=2)),
-                           ("tp2_sp", dict(tensor=2, sequence_parallel=True))):
+    for name, parallel in LAYOUTS.items():
         for mode, kl in MODES:
             cfg = _config(mode, **parallel)
             topology = Topology.from_config(cfg.parallel, world, cfg.model).initialize("cpu")
@@ -135,7 +138,7 @@ def _world(rank: int, world: int, reference: str) -> dict:
 
 def test_rl_and_mopd_iterations_under_dp2_and_tp2_equal_one_process(tmp_path):
     refs = {f"{name}/{mode}/{kl}": _iteration(mode, kl, None, shares)
-            for name, shares in (("dp2", 2), ("tp2_sp", 1)) for mode, kl in MODES}
+            for name, shares in SHARES.items() for mode, kl in MODES}
     for ref in refs.values():  # not degenerate: rewards differ within groups, gradients flow
         assert len(set(ref["rewards"])) > GROUPS
         assert sum(g.norm().item() for g in ref["grads"].values()) > 1e-3
