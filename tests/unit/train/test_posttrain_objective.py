@@ -92,11 +92,11 @@ def test_rows_take_group_normalised_advantages_and_their_domains_teacher():
 @pytest.mark.parametrize("mode, kl", [("rl", "sampled"), ("mopd", "sampled"), ("mopd", "full")])
 def test_the_losses_equal_their_definitions_row_by_row(mode, kl):
     """loss_of's sum over a micro-batch of four rows (two domains, two teachers, one of them
-    deeper than the student) equals, to
-    1e-12, the definition computed from each model's log-softmax row by row (rollout
-    log-probabilities within ~0.3 of the student's, so some ratios clip): the clipped
-    surrogate with the group advantage (RL), with -(log p_rollout - log p_teacher) of the row's
-    own teacher (sampled MOPD), or the exact KL to it (full MOPD); and its gradient flows."""
+    deeper than the student) equals, to 1e-12, the definition computed from each model's
+    log-softmax row by row (rollout log-probabilities within ~0.3 of the student's, so some
+    ratios clip): the clipped surrogate with the group advantage (RL), with -(log p_rollout -
+    log p_teacher) of the row's own teacher (sampled MOPD), or the exact KL to it (full MOPD);
+    and its gradient flows."""
     student, teachers = _model(0), [_model(1), _model(2, extra_layers=4)]  # one larger
     rows = _rows()
     objective = Objective(mode, 0.2, 1.0, kl, 0.0, teachers)
