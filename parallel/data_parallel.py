@@ -127,6 +127,12 @@ def gathered_for_decode(model: nn.Module) -> Iterator[None]:
     gathers them once for all its calls, as RL frameworks do for their rollouts (the
     whole model per rank, less what expert and tensor parallelism keep split)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if isinstance(model, FSDPModule):
+        # Decoding calls some units' forwards (the experts') without the root's: each would
+        # take itself for the root, and the next training forward would fail. FSDP2 has no
+        # public call that settles the root before its first forward; this is what that
+        # forward's pre-hook runs first.
+        model._get_fsdp_state()._lazy_init()
     for unit in units:
         unit.unshard()
     try:

@@ -1,11 +1,12 @@
 """On-policy post-training under the layouts: one iteration of RL, of MOPD with the full KL and
 of MOPD with the sampled-token KL (two teachers, one per domain) on two data-parallel ranks, on
 two tensor-parallel ranks with sequence parallelism and on two expert-parallel FSDP2 ranks
-(student and teachers sharded alike) equals one process (float64
-k3_tiny): the rollouts (each rank samples its share of the episodes; tensor-parallel peers the
-same ones) give the same tokens, log-probabilities and rewards, and the optimizer step the same
-loss, KL and gradients (within 1e-9; measured at most 4.4e-14). Under tensor parallelism the
-full KL reads the vocabulary-sharded logits of student and teachers."""
+(student and teachers sharded alike) equals one process (float64 k3_tiny): the rollouts (each
+rank samples its share of the episodes; tensor-parallel peers the same ones) give the same
+tokens, log-probabilities and rewards, and the optimizer step the same loss, KL and gradients
+(within 1e-9; measured at most 4.4e-14). Under tensor parallelism the full KL reads the
+vocabulary-sharded logits of student and teachers; under FSDP2 the rollouts decode before the
+first training forward."""
 
 from __future__ import annotations
 
