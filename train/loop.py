@@ -94,6 +94,16 @@ def inject_rank_failure(step: int, rank: int) -> None:
         time.sleep(1e9)
 
 
+def set_scheduled_lr(cfg: TrainConfig, optimizers: list[torch.optim.Optimizer],
+                     step: int) -> float:
+    """The schedule's learning rate for step `step` (0-based), set on the optimizers."""
+    lr = lr_at(step, peak_lr=cfg.optim.lr, total_steps=cfg.steps,
+               warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
+               min_lr_ratio=cfg.optim.min_lr_ratio)
+    set_lr(optimizers, lr)
+    return lr
+
+
 def checkpoint_and_stop(cfg: TrainConfig, step: int, env: DistEnv, preempt: PreemptionFlag,
                         run_dir: Path, ckpt: Checkpointer, model: K3Model,
                         optimizers: list[torch.optim.Optimizer], rank_state) -> bool:
@@ -234,15 +244,12 @@ def build_parallel_model(cfg: TrainConfig, topology: Topology | None, device: to
     return model, precision, parallel, optimizers
 
 
-def train(cfg: TrainConfig) -> int:
-    """Runs (or resumes) the configured training; returns the process exit code."""
-    if cfg.dry_run.world_size > 0:
-        from .dry_run import run_dry
-
-        return run_dry(cfg)
-    host_memory = keep_freed_host_memory()
+def start_run(cfg: TrainConfig, data: bool = True) -> tuple[DistEnv, Topology, Path]:
+    """The process group, the checks that need it (the world size, the kernel compiler), the
+    topology, the seeds and the run directory (its DONE marker cleared). `data=False`: the data
+    config is not checked (post-training reads tasks)."""
     env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
-    validate_train_config(cfg, env.world_size)
+    validate_train_config(cfg, env.world_size, data=data)
     check_kernel_compiler(cfg, env.device)
     topology = init_topology(cfg.parallel, env, cfg.model)
     seed_everything(cfg.seed, cfg.deterministic)
@@ -250,6 +257,17 @@ def train(cfg: TrainConfig) -> int:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "DONE").unlink(missing_ok=True)
+    return env, topology, run_dir
+
+
+def train(cfg: TrainConfig) -> int:
+    """Runs (or resumes) the configured training; returns the process exit code."""
+    if cfg.dry_run.world_size > 0:
+        from .dry_run import run_dry
+
+        return run_dry(cfg)
+    host_memory = keep_freed_host_memory()
+    env, topology, run_dir = start_run(cfg)
     dp_size = topology.dp
     accum = cfg.stage.global_batch_size // (cfg.stage.micro_batch_size * dp_size)
     model, precision, parallel, optimizers = build_parallel_model(
@@ -311,10 +329,7 @@ def train(cfg: TrainConfig) -> int:
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
-            lr = lr_at(step, peak_lr=cfg.optim.lr, total_steps=cfg.steps,
-                       warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
-                       min_lr_ratio=cfg.optim.min_lr_ratio)
-            set_lr(optimizers, lr)
+            lr = set_scheduled_lr(cfg, optimizers, step)
             micro_batches = [next(batches) for _ in range(accum)]
             vision_flops = vision_training_flops(cfg.model, micro_batches)
             inject_rank_failure(step, env.rank)

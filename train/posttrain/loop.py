@@ -33,7 +33,7 @@ from model.errors import ConfigError
 from ..checkpoint import Checkpointer
 from ..checkpoint_integrity import resume_checkpoint
 from ..config import TrainConfig
-from ..distributed import init_distributed, init_topology, shutdown
+from ..distributed import shutdown
 from ..generate_cli import run_tokenizer_path
 from ..init_from import load_initial_weights
 from ..init_from import resolve as resolve_init_source
@@ -42,14 +42,14 @@ from ..loop import (
     build_parallel_model,
     checkpoint_and_stop,
     inject_rank_failure,
-    seed_everything,
+    name_unresponsive_ranks,
+    set_scheduled_lr,
+    start_run,
     train_step,
     write_marker,
 )
 from ..metrics import MetricsLogger
-from ..optim.factory import set_lr
 from ..rank_state import rank_file
-from ..schedule import lr_at
 from ..signals import EXIT_DONE, EXIT_PREEMPTED, PreemptionFlag
 from ..step_stats import peak_memory_gb
 from .environments import make_environment
@@ -118,13 +118,7 @@ def _figures(rows, trained: int, version: int) -> dict:
 
 def posttrain(cfg: TrainConfig) -> int:
     """Runs (or resumes) on-policy post-training; returns the process exit code."""
-    env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
-    topology = init_topology(cfg.parallel, env, cfg.model)
-    seed_everything(cfg.seed, cfg.deterministic)
-    run_dir = Path(cfg.run_dir)
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "DONE").unlink(missing_ok=True)
+    env, topology, run_dir = start_run(cfg, data=False)
     layout = topology if env.world_size > 1 else None
     model, precision, parallel, optimizers = build_parallel_model(cfg, layout, env.device)
     dp = topology.dp
@@ -195,10 +189,7 @@ def posttrain(cfg: TrainConfig) -> int:
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
-            lr = lr_at(step, peak_lr=cfg.optim.lr, total_steps=cfg.steps,
-                       warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
-                       min_lr_ratio=cfg.optim.min_lr_ratio)
-            set_lr(optimizers, lr)
+            lr = set_scheduled_lr(cfg, optimizers, step)
             pool.refill(tasks, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt,
                         prompts)
             live = {e.uid for e in pool.episodes if not e.done}
@@ -252,6 +243,10 @@ def posttrain(cfg: TrainConfig) -> int:
         if step == cfg.steps:
             write_marker(run_dir / "DONE", step, env)
         failed = False
+    except Exception as err:
+        if topology.initialized:
+            name_unresponsive_ranks(topology, step, err)
+        raise
     finally:
         preempt.restore()
         topology.destroy()
