@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -92,6 +93,33 @@ def inject_rank_failure(step: int, rank: int) -> None:
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(1e9)
+
+
+@contextlib.contextmanager
+def run_guard(topology: Topology, preempt: PreemptionFlag, current_step) -> Iterator[None]:
+    """Around a run's steps: on a failure, which ranks did not arrive (at `current_step()`);
+    always the signal handlers restored, the topology and the process group taken down (with a
+    barrier only after success: a hung rank would hold the others in it)."""
+    failed = True
+    try:
+        yield
+        failed = False
+    except Exception as err:
+        if topology.initialized:
+            name_unresponsive_ranks(topology, current_step(), err)
+        raise
+    finally:
+        preempt.restore()
+        topology.destroy()
+        shutdown(barrier=not failed)
+
+
+def finish_run(cfg: TrainConfig, metrics: MetricsLogger, run_dir: Path, step: int,
+               env: DistEnv) -> None:
+    """After the last step taken: the plot and W&B closed, DONE when every step was taken."""
+    metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)
+    if step == cfg.steps:
+        write_marker(run_dir / "DONE", step, env)
 
 
 def set_scheduled_lr(cfg: TrainConfig, optimizers: list[torch.optim.Optimizer],
@@ -317,7 +345,6 @@ def train(cfg: TrainConfig) -> int:
     batches = iter(loader)
     nonfinite_in_a_row = 0
     exit_code = EXIT_DONE
-    failed = True
     if env.is_main:
         log.info("training %s for %d steps: dp=%d, %d micro-batch%s of %d x %d per rank, %s, "
                  "kernels: %s", cfg.model.name, cfg.steps, dp_size, accum,
@@ -326,7 +353,7 @@ def train(cfg: TrainConfig) -> int:
                  kernels_in_use(cfg, precision, env.device))
         log.info("host memory: %s", host_memory)
         log.info("layout: %s", topology.describe())
-    try:
+    with run_guard(topology, preempt, lambda: step):
         while step < cfg.steps:
             t0 = time.perf_counter()
             lr = set_scheduled_lr(cfg, optimizers, step)
@@ -368,18 +395,7 @@ def train(cfg: TrainConfig) -> int:
                                    lambda: {"loader": loader.state_dict()}):
                 exit_code = EXIT_PREEMPTED
                 break
-        metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)
-        if step == cfg.steps:
-            write_marker(run_dir / "DONE", step, env)
-        failed = False
-    except Exception as err:
-        if topology.initialized:
-            name_unresponsive_ranks(topology, step, err)
-        raise
-    finally:
-        preempt.restore()
-        topology.destroy()
-        shutdown(barrier=not failed)  # a hung rank would hold the others in the barrier
+        finish_run(cfg, metrics, run_dir, step, env)
     return exit_code
 
 

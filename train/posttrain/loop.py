@@ -33,7 +33,6 @@ from model.errors import ConfigError
 from ..checkpoint import Checkpointer
 from ..checkpoint_integrity import resume_checkpoint
 from ..config import TrainConfig
-from ..distributed import shutdown
 from ..generate_cli import run_tokenizer_path
 from ..init_from import load_initial_weights
 from ..init_from import resolve as resolve_init_source
@@ -41,12 +40,12 @@ from ..loop import (
     NonFiniteLossError,
     build_parallel_model,
     checkpoint_and_stop,
+    finish_run,
     inject_rank_failure,
-    name_unresponsive_ranks,
+    run_guard,
     set_scheduled_lr,
     start_run,
     train_step,
-    write_marker,
 )
 from ..metrics import MetricsLogger
 from ..rank_state import rank_file
@@ -180,13 +179,13 @@ def posttrain(cfg: TrainConfig) -> int:
     if latest is None and (baseline := evaluated(0)):  # the policy before any step
         metrics.log({"step": 0, **baseline})
     preempt = PreemptionFlag()
-    nonfinite_in_a_row, exit_code, failed = 0, EXIT_DONE, True
+    nonfinite_in_a_row, exit_code = 0, EXIT_DONE
     if env.is_main:
         log.info("%s post-training of %s for %d steps: %d tasks from %s, %d prompts x %d "
                  "samples in flight, layout: %s", cfg.posttrain, cfg.model.name, cfg.steps,
                  len(tasks), tasks_path, cfg.rollout.prompts_per_step,
                  cfg.rollout.samples_per_prompt, topology.describe())
-    try:
+    with run_guard(topology, preempt, lambda: step):
         while step < cfg.steps:
             t0 = time.perf_counter()
             lr = set_scheduled_lr(cfg, optimizers, step)
@@ -239,17 +238,6 @@ def posttrain(cfg: TrainConfig) -> int:
                                    else {}):
                 exit_code = EXIT_PREEMPTED
                 break
-        metrics.finish(run_dir / "training.png" if cfg.logging.plot else None)
-        if step == cfg.steps:
-            write_marker(run_dir / "DONE", step, env)
-        failed = False
-    except Exception as err:
-        if topology.initialized:
-            name_unresponsive_ranks(topology, step, err)
-        raise
-    finally:
-        preempt.restore()
-        topology.destroy()
-        shutdown(barrier=not failed)
+        finish_run(cfg, metrics, run_dir, step, env)
     return exit_code
 
